@@ -1,0 +1,98 @@
+"""XLA settings for simulated multi-device CPU runs, and the reasons behind each one.
+
+Data-parallel code is developed and tested here on one CPU that XLA splits into
+``num_devices`` simulated devices. Four XLA:CPU behaviours matter for this library
+(see ``DESIGN.md`` §6); :func:`configure_cpu` sets the flags that address them:
+
+* ``--xla_force_host_platform_device_count=N`` gives ``N`` CPU devices.
+* ``--xla_cpu_collective_call_{warn_stuck,terminate}_timeout_seconds`` make a stuck
+  collective (for example after a peer died) fail fast instead of hanging.
+* ``--xla_cpu_experimental_ynn_fusion_type=`` (empty) disables the YNNPACK fusion that
+  returned NaN for ``(a @ ones).sum()`` with jaxlib 0.10.2.
+* ``--xla_disable_hlo_passes=cse_barrier_expander`` keeps ``jax.checkpoint``'s
+  optimization barriers; without it XLA:CPU removes them before CSE and silently undoes
+  rematerialization.
+* ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
+  than for concurrency, so that compiled peak-memory figures are meaningful.
+
+GPU and TPU backends ignore the ``xla_cpu_*`` flags; the remat and scheduler flags are
+CPU-specific choices and are only added when ``platform="cpu"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["configure_cpu", "cpu_flags"]
+
+
+def cpu_flags(
+    num_devices: int | None = 8,
+    *,
+    collective_timeout_s: int | None = 10,
+    memory_scheduler: bool = True,
+    keep_remat_barriers: bool = True,
+) -> list[str]:
+    """Returns the XLA flags this library recommends for (simulated) CPU runs.
+
+    Args:
+      num_devices: number of simulated CPU devices, or ``None`` to leave it to XLA.
+      collective_timeout_s: seconds after which a stuck CPU collective aborts the
+        process (a warning is printed after half of it); ``None`` keeps XLA's default.
+      memory_scheduler: schedule HLO for low memory instead of concurrency.
+      keep_remat_barriers: keep ``jax.checkpoint`` barriers (needed for remat on CPU).
+
+    Returns:
+      A list of ``--flag=value`` strings.
+    """
+    flags = ["--xla_cpu_experimental_ynn_fusion_type="]
+    if num_devices is not None:
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
+        flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+    if collective_timeout_s is not None:
+        warn = max(1, collective_timeout_s // 2)
+        flags += [
+            f"--xla_cpu_collective_call_warn_stuck_timeout_seconds={warn}",
+            f"--xla_cpu_collective_call_terminate_timeout_seconds={collective_timeout_s}",
+        ]
+    if keep_remat_barriers:
+        flags.append("--xla_disable_hlo_passes=cse_barrier_expander")
+    if memory_scheduler:
+        flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    return flags
+
+
+def _flag_name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def configure_cpu(num_devices: int | None = 8, **kwargs) -> str:
+    """Merges :func:`cpu_flags` into ``XLA_FLAGS`` before JAX starts its backends.
+
+    Flags the user already set in ``XLA_FLAGS`` win over ours. Must be called before the
+    first JAX computation (importing JAX is fine).
+
+    Args:
+      num_devices: number of simulated CPU devices (``None``: leave as is).
+      **kwargs: forwarded to :func:`cpu_flags`.
+
+    Returns:
+      The resulting ``XLA_FLAGS`` string.
+
+    Raises:
+      RuntimeError: if JAX backends are already initialized, so the flags would be ignored.
+    """
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "configure_cpu() was called after JAX initialized its backends, so XLA would "
+            "ignore the flags. Call it at program start, before any jax.numpy operation "
+            "or jax.devices() call."
+        )
+    existing = os.environ.get("XLA_FLAGS", "").split()
+    have = {_flag_name(f) for f in existing}
+    merged = existing + [f for f in cpu_flags(num_devices, **kwargs) if _flag_name(f) not in have]
+    os.environ["XLA_FLAGS"] = " ".join(merged)
+    return os.environ["XLA_FLAGS"]
