@@ -1,0 +1,365 @@
+"""Data-parallel training steps under ``jax.shard_map``: mesh, state layout and the step.
+
+The step computes each worker's **local** gradient and lets the optax chain (whose first
+transform is :func:`~resireduce_jax.compressed_mean`, :func:`~resireduce_jax.error_feedback`
+or :func:`~resireduce_jax.resireduce`) turn it into the global mean. Two layout rules make
+this work (DESIGN.md §2, §6):
+
+* **No hidden all-reduce.** Inside ``shard_map`` with ``check_vma=True``, ``jax.grad``
+  with respect to replicated (axis-invariant) parameters returns gradients already summed
+  over the axis: a dense all-reduce in the backward pass that would defeat compression.
+  The step therefore casts the parameters to *varying* (``lax.pcast(..., to="varying")``)
+  before differentiating.
+* **Per-worker state.** Optimizer-state leaves that differ between workers (residuals,
+  per-worker compressor state) live in global arrays with a leading worker axis sharded
+  over the data axis (``P(axis_name)``); all other state is replicated (``P()``).
+  :func:`state_partition_specs` finds out which is which by tracing one abstract update:
+  a state leaf is per-worker iff its updated value varies over the axis.
+
+On CPU with simulated devices, do not queue dozens of steps without blocking: XLA:CPU's
+collective rendezvous can time out (DESIGN.md §6). Block on a result every few steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+__all__ = [
+    "DataParallelStep",
+    "data_parallel_step",
+    "make_mesh",
+    "replicated",
+    "shard_batch",
+    "stack_per_worker",
+    "state_partition_specs",
+    "unstack_per_worker",
+]
+
+
+def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
+    """A 1-D mesh of ``num_workers`` devices (default: all devices, across all processes)."""
+    devices = jax.devices()
+    if num_workers is None:
+        num_workers = len(devices)
+    if not 1 <= num_workers <= len(devices):
+        raise ValueError(
+            f"num_workers={num_workers} but {len(devices)} devices are visible. On CPU, "
+            "simulate more with resireduce_jax.runtime.configure_cpu(num_devices=N) at "
+            "program start (or XLA_FLAGS=--xla_force_host_platform_device_count=N)."
+        )
+    return jax.make_mesh((num_workers,), (axis_name,), devices=devices[:num_workers])
+
+
+def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Places every leaf of ``tree`` on all devices of ``mesh`` (``P()``)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, axis_name: str = "data") -> PyTree:
+    """Shards the leading (batch) axis of every leaf over ``axis_name``.
+
+    Single process: ``batch`` is the global batch (``workers * per_worker`` rows).
+    Multi-process: ``batch`` is this process's part (its local workers' rows), assembled
+    into a global array with ``jax.make_array_from_process_local_data``.
+    """
+    sharding = NamedSharding(mesh, P(axis_name))
+    workers_here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+    def place(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if x.ndim == 0 or x.shape[0] % workers_here:
+            raise ValueError(
+                f"A batch leaf of shape {tuple(x.shape)} cannot be split over the "
+                f"{workers_here} local workers: its leading axis must be a multiple of "
+                "the number of workers. Change the batch size or the number of workers."
+            )
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree.map(place, batch)
+
+
+def _varying_leaves(tree: PyTree, axis_name: str) -> PyTree:
+    """Per leaf: does its (abstract) value vary over ``axis_name``? Trace time only."""
+    return jax.tree.map(lambda x: axis_name in jax.typeof(x).manual_axis_type.varying, tree)
+
+
+def _specs_from_flags(flags: PyTree, axis_name: str) -> PyTree:
+    return jax.tree.map(lambda v: P(axis_name) if v else P(), flags)
+
+
+def stack_per_worker(tree: PyTree, specs: PyTree) -> PyTree:
+    """Inside shard_map: adds the leading worker axis (size 1 locally) to per-worker leaves."""
+    return jax.tree.map(lambda x, s: x[None] if s != P() else x, tree, specs)
+
+
+def unstack_per_worker(tree: PyTree, specs: PyTree) -> PyTree:
+    """Inside shard_map: removes the local leading worker axis of per-worker leaves."""
+    return jax.tree.map(lambda x, s: x[0] if s != P() else x, tree, specs)
+
+
+def state_partition_specs(
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    mesh: Mesh,
+    axis_name: str = "data",
+) -> PyTree:
+    """PartitionSpecs of ``tx``'s state for ``shard_map``: ``P(axis)`` for per-worker leaves.
+
+    Traces (abstractly, nothing is computed or allocated) ``init`` and repeated ``update``
+    calls with worker-local gradients inside ``shard_map``, until the set of state leaves
+    whose value varies over ``axis_name`` stops growing. Those leaves hold per-worker data
+    (residuals, per-worker compressor state) and get ``P(axis_name)`` with a leading worker
+    axis in the global array; all others are replicated (``P()``).
+
+    Args:
+      tx: the optax transform (chain) used in the step.
+      params: the parameters or their ``jax.ShapeDtypeStruct``s.
+      mesh: the device mesh.
+      axis_name: the data-parallel axis of ``mesh``.
+
+    Returns:
+      A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
+    """
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    flags_box: list[PyTree] = []
+
+    def probe(params, flags):
+        state = tx.init(params)
+        state = jax.tree.map(
+            lambda s, v: lax.pcast(s, axis_name, to="varying") if v else s, state, flags
+        )
+        grads = jax.tree.map(
+            lambda p: lax.pcast(jnp.zeros_like(p), axis_name, to="varying"), params
+        )
+        _, new_state = tx.update(grads, state, params)
+        flags_box.append(_varying_leaves(new_state, axis_name))
+        return jax.tree.map(lambda x: x[None], new_state)
+
+    flags = jax.tree.map(lambda _: False, jax.eval_shape(tx.init, abstract))
+    sharded = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, P())),
+        abstract,
+    )
+    for _ in range(8):  # monotone: ends after at most (number of state leaves) rounds
+        flags_box.clear()
+        fn = jax.shard_map(
+            functools.partial(probe, flags=flags),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(axis_name),
+        )
+        jax.eval_shape(fn, sharded)
+        new_flags = jax.tree.map(lambda a, b: a or b, flags, flags_box[-1])
+        if new_flags == flags:
+            break
+        flags = new_flags
+    return _specs_from_flags(flags, axis_name)
+
+
+def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:
+    def mean(x):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return lax.pmean(x, axis_name)
+        return lax.pmax(x, axis_name)  # integers (counters): equal on all workers anyway
+
+    return jax.tree.map(mean, tree)
+
+
+def _assert_invariant(updates: PyTree, axis_name: str) -> None:
+    for path, flag in jax.tree_util.tree_flatten_with_path(_varying_leaves(updates, axis_name))[0]:
+        if flag:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ValueError(
+                f"The update for '{name}' still differs between workers after the optax "
+                "chain, so parameters would diverge. Put resireduce_jax.compressed_mean, "
+                "error_feedback or resireduce FIRST in the chain: it turns local gradients "
+                "into the global mean."
+            )
+
+
+@dataclasses.dataclass
+class DataParallelStep:
+    """A jitted, donated, ``shard_map``-ped train step and its state layout.
+
+    Build it with :func:`data_parallel_step`. Call :meth:`init` once, then call the object.
+    Argument order of a call: ``(params, opt_state[, model_state], batch[, rng])``;
+    ``params``, ``opt_state`` and ``model_state`` are donated.
+    """
+
+    loss_fn: Callable[..., Any]
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: str = "data"
+    has_aux: bool = False
+    with_model_state: bool = False
+    with_rng: bool = False
+    donate: bool = True
+    state_specs: PyTree = None
+    _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    def init(self, params: PyTree) -> tuple[PyTree, PyTree]:
+        """Replicates ``params`` and builds the optimizer state inside ``shard_map``.
+
+        Returns:
+          ``(params, opt_state)`` as global arrays: params replicated; per-worker state
+          leaves with a leading axis of size ``num_workers`` sharded over the data axis.
+        """
+        params = replicated(params, self.mesh)
+        if self.state_specs is None:
+            self.state_specs = state_partition_specs(self.tx, params, self.mesh, self.axis_name)
+        if self._init is None:
+            specs = self.state_specs
+
+            def body(p):
+                return stack_per_worker(self.tx.init(p), specs)
+
+            self._init = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=specs))
+        return params, self._init(params)
+
+    def _build(self) -> Callable[..., Any]:
+        axis, specs = self.axis_name, self.state_specs
+
+        def body(params, opt_state, model_state, batch, rng):
+            opt_state = unstack_per_worker(opt_state, specs)
+            local_params = lax.pcast(params, axis, to="varying")
+            if rng is not None:
+                rng = jax.random.fold_in(rng, lax.axis_index(axis))
+
+            def objective(p):
+                args = [p]
+                if self.with_model_state:
+                    args.append(model_state)
+                args.append(batch)
+                if self.with_rng:
+                    args.append(rng)
+                out = self.loss_fn(*args)
+                if not self.has_aux:
+                    out = (out, {})
+                loss, aux = out
+                if self.with_model_state:
+                    new_model_state, aux = aux
+                else:
+                    new_model_state = None
+                return loss, (new_model_state, aux)
+
+            (loss, (new_model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+                local_params
+            )
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            _assert_invariant(updates, axis)
+            params = optax.apply_updates(params, updates)
+            metrics = _pmean_floats({"loss": loss, **aux}, axis)
+            if self.with_model_state:
+                new_model_state = _pmean_floats(new_model_state, axis)
+            return params, stack_per_worker(opt_state, specs), new_model_state, metrics
+
+        batch_spec = P(axis)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(P(), specs, P(), batch_spec, P()),
+            out_specs=(P(), specs, P(), P()),
+        )
+        return jax.jit(fn, donate_argnums=(0, 1, 2) if self.donate else ())
+
+    def lower(self, params, opt_state, *args):
+        """``jax.jit(...).lower`` of the step, for HLO and memory inspection."""
+        return self._jitted().lower(*self._full_args(params, opt_state, *args))
+
+    def _jitted(self):
+        if self.state_specs is None:
+            raise ValueError("Call init(params) before the first step.")
+        if self._step is None:
+            self._step = self._build()
+        return self._step
+
+    def _full_args(self, params, opt_state, *args):
+        expected = 1 + int(self.with_model_state) + int(self.with_rng)
+        if len(args) != expected:
+            names = ["model_state"] * self.with_model_state + ["batch"] + ["rng"] * self.with_rng
+            raise TypeError(
+                f"Expected (params, opt_state, {', '.join(names)}); got {len(args)} "
+                "extra arguments."
+            )
+        args = list(args)
+        model_state = args.pop(0) if self.with_model_state else None
+        batch = args.pop(0)
+        rng = args.pop(0) if self.with_rng else None
+        return params, opt_state, model_state, batch, rng
+
+    def __call__(self, params, opt_state, *args):
+        """One step. Returns ``(params, opt_state[, model_state], metrics)``."""
+        full = self._full_args(params, opt_state, *args)
+        params, opt_state, new_ms, metrics = self._jitted()(*full)
+        if self.with_model_state:
+            return params, opt_state, new_ms, metrics
+        return params, opt_state, metrics
+
+
+def data_parallel_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    has_aux: bool = False,
+    with_model_state: bool = False,
+    with_rng: bool = False,
+    donate: bool = True,
+) -> DataParallelStep:
+    """Builds the jitted, donated data-parallel train step over ``mesh``.
+
+    The loss function sees one worker's shard of the batch. Its signature follows the
+    flags: ``loss_fn(params[, model_state], batch[, rng])`` returning ``loss``, or
+    ``(loss, aux)`` with ``has_aux``; with ``with_model_state`` the aux is
+    ``(new_model_state, aux)`` (e.g. BatchNorm statistics, averaged over workers after the
+    step like Flax's examples do). ``rng`` is a replicated key; each worker receives it
+    folded with its worker index (dropout differs between workers).
+
+    Metrics returned by the step: ``{"loss": ..., **aux}`` averaged over workers.
+
+    Args:
+      loss_fn: the per-worker loss.
+      tx: an optax transform whose first element averages gradients over ``axis_name``.
+      mesh: a mesh with the axis ``axis_name`` (see :func:`make_mesh`).
+      axis_name: the data-parallel mesh axis.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      with_model_state: the step carries non-trainable model state.
+      with_rng: the step takes a PRNG key.
+      donate: donate params, optimizer state and model state to the step.
+
+    Returns:
+      A :class:`DataParallelStep`.
+    """
+    if axis_name not in mesh.shape:
+        raise ValueError(f"Mesh axes are {tuple(mesh.shape)}; axis_name '{axis_name}' is not one.")
+    return DataParallelStep(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        has_aux=has_aux,
+        with_model_state=with_model_state,
+        with_rng=with_rng,
+        donate=donate,
+    )

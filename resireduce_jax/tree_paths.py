@@ -1,0 +1,50 @@
+"""Pytree paths as strings, and the per-leaf decisions made from them.
+
+Every place in the library that names a leaf (grouping rules, error messages, reports)
+uses the same spelling: ``jax.tree_util.keystr(path, simple=True, separator="/")``, e.g.
+``Dense_0/kernel`` or ``h_3/attn/c_attn/kernel``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+__all__ = ["is_compressible", "leaf_paths", "path_to_str", "validate_float_leaves"]
+
+
+def path_to_str(path: tuple[Any, ...]) -> str:
+    """``/``-joined string of a pytree key path (``keystr(..., simple=True)``)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Paths of ``tree``'s leaves, in ``jax.tree.leaves`` order."""
+    return [path_to_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def is_compressible(like: Any, min_size: int) -> bool:
+    """Whether a leaf is compressed (reference rule, ResiReduce code / DESIGN.md §4).
+
+    Leaves with ``ndim <= 1`` (biases, norms, scalars) or fewer than ``min_size`` elements
+    are not worth compressing: they travel dense and keep no residual.
+    """
+    return len(like.shape) >= 2 and math.prod(like.shape) >= min_size
+
+
+def validate_float_leaves(tree: PyTree, what: str) -> None:
+    """Raises a ValueError naming the first leaf of ``tree`` that is not a real float."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{what}: leaf '{path_to_str(path)}' has dtype {dtype}, but only real "
+                "floating-point leaves can be averaged across workers. Keep integer, "
+                "boolean and complex values out of the parameter tree that the optimizer "
+                "sees (e.g. wrap the transform in optax.masked, or store them in model state)."
+            )
