@@ -1,0 +1,166 @@
+"""The shard_map data-parallel step: replicated params, per-worker residuals, collectives."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import resireduce_jax as rr
+from resireduce_jax import hlo
+
+W = 8
+MIN_SIZE = 1000
+
+
+def _mlp_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        "hidden": {
+            "kernel": rng.normal(0, 0.1, (32, 64)).astype(np.float32),
+            "bias": np.zeros(64, np.float32),
+        },
+        "out": {
+            "kernel": rng.normal(0, 0.1, (64, 40)).astype(np.float32),
+            "bias": np.zeros(40, np.float32),
+        },
+    }
+
+
+def _loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["hidden"]["kernel"] + params["hidden"]["bias"])
+    logits = h @ params["out"]["kernel"] + params["out"]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _batch(step: int, per_worker: int = 4):
+    rng = np.random.default_rng(100 + step)
+    n = W * per_worker
+    return {"x": rng.normal(size=(n, 32)).astype(np.float32), "y": rng.integers(0, 40, n)}
+
+
+def _shards(x: jax.Array) -> list[np.ndarray]:
+    return [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+
+
+def test_twenty_steps_keep_params_identical_on_every_worker_while_residuals_differ():
+    mesh = rr.parallel.make_mesh(W)
+    tx = optax.chain(
+        rr.error_feedback(rr.compressors.topk(0.01), min_size=MIN_SIZE),
+        optax.sgd(0.1, momentum=0.9),
+    )
+    step = rr.parallel.data_parallel_step(_loss, tx, mesh)
+    params, opt_state = step.init(_mlp_params())
+    losses = []
+    for t in range(20):
+        params, opt_state, metrics = step(
+            params, opt_state, rr.parallel.shard_batch(_batch(t), mesh)
+        )
+        if t % 5 == 4:
+            losses.append(float(metrics["loss"]))  # blocks every few steps (CPU rendezvous)
+    for leaf in jax.tree.leaves(params):
+        copies = _shards(leaf)
+        assert len(copies) == W
+        for c in copies[1:]:
+            np.testing.assert_array_equal(c, copies[0])
+    residual = opt_state[0].residuals["hidden"]["kernel"]
+    assert residual.shape == (W, 32, 64)
+    assert residual.sharding.spec[0] == "data"
+    per_worker = np.asarray(residual)
+    assert all(not np.array_equal(per_worker[0], per_worker[w]) for w in range(1, W))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_lossless_step_equals_full_batch_gradient_descent():
+    """Local gradients + exact mean = the gradient of the mean loss over the global batch."""
+    mesh = rr.parallel.make_mesh(W)
+    tx = optax.chain(rr.error_feedback(rr.compressors.none(), min_size=MIN_SIZE), optax.sgd(0.5))
+    step = rr.parallel.data_parallel_step(_loss, tx, mesh)
+    params, opt_state = step.init(_mlp_params())
+    ref = jax.tree.map(jnp.asarray, _mlp_params())
+    for t in range(3):
+        batch = _batch(t)
+        params, opt_state, _ = step(params, opt_state, rr.parallel.shard_batch(batch, mesh))
+        grads = jax.grad(_loss)(ref, batch)  # one device, whole batch
+        ref = jax.tree.map(lambda p, g: p - 0.5 * g, ref, grads)
+    chex.assert_trees_all_close(jax.device_get(params), jax.device_get(ref), rtol=2e-5, atol=2e-6)
+
+
+def _compiled_step(compressor):
+    mesh = rr.parallel.make_mesh(W)
+    tx = optax.chain(rr.error_feedback(compressor, min_size=MIN_SIZE), optax.sgd(0.1))
+    step = rr.parallel.data_parallel_step(_loss, tx, mesh)
+    params, opt_state = step.init(_mlp_params())
+    return step.lower(params, opt_state, rr.parallel.shard_batch(_batch(0), mesh)).compile()
+
+
+def test_sparse_step_has_no_gradient_sized_all_reduce_and_moves_payload_bytes():
+    compressor = rr.compressors.topk(0.01)
+    compiled = _compiled_step(compressor)
+    found = hlo.collectives(compiled)
+    kernel_sizes = {32 * 64, 64 * 40}
+    for c in found:
+        if c.op == "all-reduce":
+            assert not kernel_sizes & set(c.element_counts), c
+    # Gathers carry exactly the two kernels' payloads; all-reduces the dense biases + loss.
+    gathered = sum(c.bytes_per_worker for c in found if c.op == "all-gather")
+    assert gathered == compressor.payload_bytes((32, 64), np.float32) + compressor.payload_bytes(
+        (64, 40), np.float32
+    )
+    reduced = sum(c.bytes_per_worker for c in found if c.op == "all-reduce")
+    assert reduced == (64 + 40 + 1) * 4
+
+
+def test_dense_step_does_all_reduce_the_kernels():
+    """The check above can fail: without compression the kernels are all-reduced."""
+    found = hlo.collectives(_compiled_step(rr.compressors.none()))
+    counts = {n for c in found if c.op == "all-reduce" for n in c.element_counts}
+    assert {32 * 64, 64 * 40} <= counts
+
+
+def test_model_state_and_rng_flags():
+    mesh = rr.parallel.make_mesh(W)
+
+    def loss_fn(params, model_state, batch, rng):
+        noise = jax.random.uniform(rng, ())
+        loss = jnp.mean((batch["x"] @ params["w"]) ** 2)
+        new_state = {"seen": model_state["seen"] + batch["x"].shape[0], "noise": noise}
+        return loss, (new_state, {"noise": noise})
+
+    tx = rr.compressed_mean(rr.compressors.none())
+    step = rr.parallel.data_parallel_step(
+        loss_fn, tx, mesh, has_aux=True, with_model_state=True, with_rng=True
+    )
+    params, opt_state = step.init({"w": jnp.ones((3, 2))})
+    model_state = rr.parallel.replicated({"seen": jnp.zeros(()), "noise": jnp.zeros(())}, mesh)
+    rng = jax.random.PRNGKey(7)
+    batch = rr.parallel.shard_batch({"x": np.ones((W * 2, 3), np.float32)}, mesh)
+    params, opt_state, model_state, metrics = step(params, opt_state, model_state, batch, rng)
+    expected_noise = np.mean(
+        [jax.random.uniform(jax.random.fold_in(rng, w), ()) for w in range(W)], dtype=np.float32
+    )
+    np.testing.assert_allclose(metrics["noise"], expected_noise, rtol=1e-6)
+    np.testing.assert_allclose(model_state["noise"], expected_noise, rtol=1e-6)
+    assert float(model_state["seen"]) == 2.0  # per-worker count, averaged
+
+
+def test_chain_without_gradient_averaging_is_refused():
+    mesh = rr.parallel.make_mesh(W)
+    step = rr.parallel.data_parallel_step(_loss, optax.sgd(0.1), mesh)
+    params, opt_state = step.init(_mlp_params())
+    with pytest.raises(ValueError, match="FIRST in the chain"):
+        step(params, opt_state, rr.parallel.shard_batch(_batch(0), mesh))
+
+
+def test_batch_not_divisible_by_workers_is_refused():
+    mesh = rr.parallel.make_mesh(W)
+    with pytest.raises(ValueError, match="multiple of the number of workers"):
+        rr.parallel.shard_batch({"x": np.zeros((W * 2 + 1, 3))}, mesh)
+
+
+def test_too_many_workers_is_refused():
+    with pytest.raises(ValueError, match="devices are visible"):
+        rr.parallel.make_mesh(len(jax.devices()) + 1)

@@ -1,0 +1,187 @@
+"""compressed_mean and error_feedback against numpy references, invariants and bad input."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import resireduce_jax as rr
+from tests import transform_harness as th
+
+W = 8
+SHAPES = {"w1": (40, 60), "w2": (60, 30), "b": (60,), "small": (10, 10)}
+MIN_SIZE = 1000  # w1 (2400) and w2 (1800) are compressed; b (1-D) and small (100) are not.
+COMPRESSED = ("w1", "w2")
+
+
+def _params():
+    return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+
+
+def np_topk_sparsify(x: np.ndarray, density: float) -> np.ndarray:
+    """Independent numpy Top-k: keep the k = max(1, floor(density n)) largest |x|."""
+    flat = x.ravel()
+    k = max(1, int(np.floor(density * flat.size)))
+    keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+    out = np.zeros_like(flat)
+    out[keep] = flat[keep]
+    return out.reshape(x.shape)
+
+
+def np_error_feedback(grads_per_step, density):
+    """Numpy EF (paper §2.2): per worker G~ = G + R; send topk(G~); R = G~ - sent."""
+    residual = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+    outputs = []
+    for grads in grads_per_step:
+        out = {}
+        for name, g in grads.items():
+            if name not in COMPRESSED:
+                out[name] = g.astype(np.float64).mean(0)
+                continue
+            comp = g + residual[name]  # float32, like the transform
+            sent = np.stack([np_topk_sparsify(comp[w], density) for w in range(W)])
+            residual[name] = comp - sent
+            out[name] = sent.astype(np.float64).mean(0)
+        outputs.append(out)
+    return outputs, residual
+
+
+@pytest.fixture(scope="module")
+def grads():
+    return th.random_grads(np.random.default_rng(0), SHAPES, W, steps=4)
+
+
+def test_error_feedback_matches_numpy_reference(grads):
+    density = 0.05
+    tx = rr.error_feedback(rr.compressors.topk(density), min_size=MIN_SIZE)
+    outputs, state = th.run_shard_map(tx, _params(), grads)
+    ref_outputs, ref_residual = np_error_feedback(grads, density)
+    for out, ref in zip(outputs, ref_outputs, strict=True):
+        for name in SHAPES:
+            for w in range(W):  # every worker holds the same mean
+                np.testing.assert_allclose(out[name][w], ref[name], rtol=1e-6, atol=1e-6)
+    for name in COMPRESSED:
+        # Same float32 additions and selections as numpy: residuals agree bit for bit.
+        np.testing.assert_array_equal(state.residuals[name], ref_residual[name])
+    assert isinstance(state.residuals["b"], optax.MaskedNode)
+    assert isinstance(state.residuals["small"], optax.MaskedNode)
+    np.testing.assert_array_equal(state.count, np.full(W, len(grads)))
+
+
+def test_error_feedback_conserves_mass_every_worker_every_step(grads):
+    """D(P_w) + R_new = G_w + R_old for every worker and step; the output is their mean."""
+    density = 0.02
+    tx = rr.error_feedback(rr.compressors.topk(density), min_size=MIN_SIZE)
+    residual = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+    for t in range(len(grads)):
+        outs, state = th.run_shard_map(tx, _params(), grads[: t + 1])
+        for name in COMPRESSED:
+            r_new = state.residuals[name]
+            compensated = grads[t][name] + residual[name]
+            sent = compensated - r_new  # D(P_w), recovered from the invariant's other side
+            n = sent[0].size
+            k = max(1, int(np.floor(density * n)))
+            for w in range(W):
+                nz = np.flatnonzero(sent[w])
+                assert nz.size == k  # exactly k entries were sent ...
+                # ... carrying G~ unchanged, and nothing else was lost or invented.
+                np.testing.assert_array_equal(sent[w].ravel()[nz], compensated[w].ravel()[nz])
+                np.testing.assert_array_equal(r_new[w].ravel()[nz], 0.0)
+            np.testing.assert_allclose(outs[-1][name][0], sent.mean(0), rtol=1e-6, atol=1e-7)
+            residual[name] = r_new
+
+
+@pytest.mark.parametrize("compressor", ["none", "topk_full"])
+def test_lossless_compression_equals_pmean_and_keeps_zero_residuals(grads, compressor):
+    comp = rr.compressors.none() if compressor == "none" else rr.compressors.topk(1.0)
+    tx = rr.error_feedback(comp, min_size=MIN_SIZE)
+    outputs, state = th.run_shard_map(tx, _params(), grads)
+    pmean = th.run_shard_map(_pmean_transform(), _params(), grads)[0]
+    for out, ref in zip(outputs, pmean, strict=True):
+        chex.assert_trees_all_equal(out, ref)
+    for name in COMPRESSED:
+        np.testing.assert_array_equal(state.residuals[name], 0.0)
+
+
+def _pmean_transform() -> optax.GradientTransformation:
+    return optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda g: lax.pmean(g, th.AXIS), u), s),
+    )
+
+
+def test_compressed_mean_is_mean_of_sparsified_raw_gradients(grads):
+    density = 0.05
+    tx = rr.compressed_mean(rr.compressors.topk(density), min_size=MIN_SIZE)
+    outputs, state = th.run_shard_map(tx, _params(), grads[:2])
+    for out, g in zip(outputs, grads[:2], strict=True):
+        for name in COMPRESSED:  # no memory: every step sparsifies the raw gradient
+            ref = np.stack([np_topk_sparsify(g[name][w], density) for w in range(W)]).mean(0)
+            np.testing.assert_allclose(out[name][0], ref, rtol=1e-6, atol=1e-7)
+    assert not hasattr(state, "residuals")
+
+
+@pytest.mark.parametrize(
+    "compressor", [rr.compressors.topk(0.05), rr.compressors.randomk(0.05, scaled=True)]
+)
+def test_shard_map_and_pmap_agree(grads, compressor):
+    tx = rr.error_feedback(compressor, min_size=MIN_SIZE)
+    out_sm, state_sm = th.run_shard_map(tx, _params(), grads)
+    out_pm, state_pm = th.run_pmap(tx, _params(), grads)
+    chex.assert_trees_all_equal(out_sm, out_pm)
+    chex.assert_trees_all_equal(state_sm.residuals, state_pm.residuals)
+
+
+def test_randomk_draws_change_every_step_and_agree_across_workers(grads):
+    tx = rr.error_feedback(rr.compressors.randomk(0.02), min_size=MIN_SIZE)
+    _, s1 = th.run_shard_map(tx, _params(), grads[:1])
+    _, s2 = th.run_shard_map(tx, _params(), [grads[0], grads[0]])
+    sent_1 = grads[0]["w1"] - s1.residuals["w1"]
+    masks = (sent_1 != 0).reshape(W, -1)
+    assert (masks == masks[0]).all()  # shared indices on every worker
+    # Same gradient again at step 1: a fresh draw of indices (different residual pattern).
+    sent_2 = grads[0]["w1"] + s1.residuals["w1"] - s2.residuals["w1"]
+    assert ((sent_2[0] != 0) != (sent_1[0] != 0)).any()
+
+
+def test_update_outside_mapped_axis_raises_clear_error():
+    tx = rr.error_feedback(rr.compressors.topk(0.01), min_size=MIN_SIZE)
+    params = _params()
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"not bound.*shard_map"):
+        tx.update(params, state, params)
+
+
+@pytest.mark.parametrize("make", [rr.error_feedback, rr.compressed_mean])
+def test_integer_leaves_are_rejected_with_their_path(make):
+    tx = make(rr.compressors.topk(0.01))
+    with pytest.raises(ValueError, match=r"'layer/step' has dtype int32"):
+        tx.init({"layer": {"kernel": jnp.zeros((200, 100)), "step": jnp.zeros((3,), jnp.int32)}})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10"])
+def test_bad_min_size(bad):
+    with pytest.raises(ValueError, match="min_size"):
+        rr.error_feedback(rr.compressors.topk(0.01), min_size=bad)
+
+
+def test_non_compressor_argument():
+    with pytest.raises(ValueError, match="Expected a compressor"):
+        rr.error_feedback("topk")
+
+
+def test_state_specs_mark_only_residuals_per_worker():
+    tx = optax.chain(
+        rr.error_feedback(rr.compressors.topk(0.01), min_size=MIN_SIZE), optax.adam(1e-3)
+    )
+    specs = rr.parallel.state_partition_specs(tx, _params(), th.mesh(), th.AXIS)
+    ef_specs, adam_specs = specs[0], specs[1]
+    assert ef_specs.residuals["w1"] == P("data") and ef_specs.residuals["w2"] == P("data")
+    assert ef_specs.count == P()
+    assert all(s == P() for s in jax.tree.leaves(adam_specs))

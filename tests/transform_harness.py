@@ -1,0 +1,113 @@
+"""Shared test helpers: run a gradient transform on per-worker gradients.
+
+``run_shard_map`` and ``run_pmap`` apply ``tx.update`` for several steps to gradients
+given per worker (leading axis = worker), returning the per-step outputs and the final
+state with a leading worker axis on every leaf, so tests can compare workers with each
+other and with numpy references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import resireduce_jax as rr
+
+AXIS = "data"
+
+
+def mesh(num_workers: int = 8):
+    return rr.parallel.make_mesh(num_workers, AXIS)
+
+
+def run_shard_map(
+    tx: optax.GradientTransformation,
+    params: Any,
+    grads_per_step: list[Any],
+    num_workers: int = 8,
+) -> tuple[list[Any], Any]:
+    """Runs ``tx`` under shard_map. ``grads_per_step[t]`` leaves have a leading worker axis.
+
+    Returns ``(outputs, state)``: ``outputs[t]`` leaves have a leading worker axis (each
+    worker's copy of the update); ``state`` leaves have a leading worker axis (every leaf,
+    replicated ones included, so workers can be compared).
+    """
+    m = mesh(num_workers)
+    specs = rr.parallel.state_partition_specs(tx, params, m, AXIS)
+    replicated_params = rr.parallel.replicated(params, m)
+
+    def init(p):
+        return rr.parallel.stack_per_worker(tx.init(p), specs)
+
+    state = jax.jit(jax.shard_map(init, mesh=m, in_specs=P(), out_specs=specs))(replicated_params)
+
+    def step(p, s, g):
+        s = rr.parallel.unstack_per_worker(s, specs)
+        g = jax.tree.map(lambda x: x[0], g)
+        out, s = tx.update(g, s, p)
+        # Every worker's view of the output and the state, stacked for inspection.
+        return (
+            jax.tree.map(lambda x: x[None], out),
+            rr.parallel.stack_per_worker(s, specs),
+        )
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=m,
+            in_specs=(P(), specs, P(AXIS)),
+            out_specs=(P(AXIS), specs),
+        )
+    )
+    outputs = []
+    for grads in grads_per_step:
+        grads = jax.device_put(grads, NamedSharding(m, P(AXIS)))
+        out, state = fn(replicated_params, state, grads)
+        outputs.append(jax.device_get(out))
+    return outputs, jax.device_get(_broadcast_replicated(state, specs, num_workers))
+
+
+def _broadcast_replicated(state, specs, num_workers):
+    return jax.tree.map(
+        lambda x, s: x if s != P() else jnp.broadcast_to(x, (num_workers, *jnp.shape(x))),
+        state,
+        specs,
+    )
+
+
+def run_pmap(
+    tx: optax.GradientTransformation,
+    params: Any,
+    grads_per_step: list[Any],
+    num_workers: int = 8,
+) -> tuple[list[Any], Any]:
+    """Same as :func:`run_shard_map` but with ``jax.pmap`` (every leaf per device)."""
+    devices = jax.devices()[:num_workers]
+    stacked_params = jax.tree.map(lambda p: np.broadcast_to(p, (num_workers, *p.shape)), params)
+    state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(stacked_params)
+    update = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS, devices=devices)
+    outputs = []
+    for grads in grads_per_step:
+        out, state = update(grads, state, stacked_params)
+        outputs.append(jax.device_get(out))
+    return outputs, jax.device_get(state)
+
+
+def random_grads(
+    rng: np.random.Generator,
+    shapes: dict[str, tuple[int, ...]],
+    workers: int,
+    steps: int,
+    dtype=np.float32,
+) -> list[dict[str, np.ndarray]]:
+    """``steps`` dicts of per-worker gradients (leading axis ``workers``), heavy-tailed."""
+    return [
+        {k: rng.standard_t(3, size=(workers, *s)).astype(dtype) for k, s in shapes.items()}
+        for _ in range(steps)
+    ]
