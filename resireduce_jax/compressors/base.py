@@ -117,6 +117,12 @@ class Compressor(abc.ABC):
         like = jax.ShapeDtypeStruct(x.shape, x.dtype)
         payload, state = self.compress(x, state, key)
         mean = self.aggregate(payload, like, axis_name)
+        # Order the residual after compression. Without this XLA recomputes ``x = G + R``
+        # inside each consumer fusion and cannot prove that writing the new residual into
+        # the donated buffer of the old one comes after compression read it, so it copies
+        # every residual (measured: +24 MiB temp for 12 layers of 4 MiB). The barrier is
+        # a no-op at run time and changes no value.
+        x, payload = lax.optimization_barrier((x, payload))
         return Reduced(mean=mean, residual=self.residual(x, payload), state=state)
 
     def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:

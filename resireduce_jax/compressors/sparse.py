@@ -66,8 +66,12 @@ class _SparseBase(Compressor):
         return dense.reshape(like.shape)
 
     def residual(self, x, payload: SparsePayload):
-        # Exact: selected entries become x_i - x_i = 0, the others keep x_i; no dense D(.).
-        flat = x.ravel().at[payload.indices].set(0, mode="drop", unique_indices=True)
+        # x - D(P) on the support only: sent entries become x_i - v_i (0 when v_i = x_i),
+        # the others keep x_i; no dense D(P) is built. Subtracting the values (rather than
+        # setting zeros) also orders this in-place update after the values were gathered.
+        flat = x.ravel().at[payload.indices].add(
+            -payload.values.astype(x.dtype), mode="drop", unique_indices=True
+        )
         return flat.reshape(x.shape)
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
