@@ -1,6 +1,22 @@
-"""resireduce_jax: memory-lean, communication-efficient data-parallel training in JAX."""
+"""resireduce_jax: memory-lean, communication-efficient data-parallel training in JAX.
 
-from resireduce_jax import compressors, parallel, runtime
+* Compressed gradient exchange with error feedback, and ResiReduce's reduced residuals:
+  :func:`compressed_mean`, :func:`error_feedback`, :func:`resireduce`, with
+  :mod:`compressors` and :mod:`grouping`.
+* The data-parallel step under ``jax.shard_map``: :mod:`parallel`.
+* Reading compiled programs (collectives, copies, peak memory): :mod:`hlo`.
+"""
+
+from resireduce_jax import (
+    compressors,
+    grouping,
+    hlo,
+    parallel,
+    residual_stores,
+    runtime,
+    tree_paths,
+)
+from resireduce_jax.residual_reduction import ResiReduceState, resireduce
 from resireduce_jax.transforms import (
     CompressedMeanState,
     ErrorFeedbackState,
@@ -13,9 +29,15 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressedMeanState",
     "ErrorFeedbackState",
+    "ResiReduceState",
     "compressed_mean",
     "compressors",
     "error_feedback",
+    "grouping",
+    "hlo",
     "parallel",
+    "residual_stores",
+    "resireduce",
     "runtime",
+    "tree_paths",
 ]

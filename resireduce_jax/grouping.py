@@ -1,0 +1,333 @@
+"""Reusable groups: which leaves share one residual (ResiReduce paper §4.1–§4.2).
+
+A *grouping* maps every parameter leaf to a group label, like the labels of
+``optax.multi_transform``: either a pytree of strings with the params' structure, or a
+callable ``params -> labels``. Leaves with the same label share a single residual in
+:func:`resireduce_jax.resireduce`; a label used by one leaf only is a singleton group (plain
+error feedback, or intra-layer compression). Only compressed leaves are grouped; the
+labels of leaves that travel dense are ignored.
+
+Leaf paths are spelled ``jax.tree_util.keystr(path, simple=True, separator="/")``, e.g.
+``h_3/attn/c_attn/kernel``. Two rule builders are provided:
+
+* :func:`auto`: adjacent leaves with the same *role* (the path with its layer indices
+  replaced by ``*``) and the same shape and dtype, in layer order, in runs of at most
+  ``max_group_size`` — the paper's "adjacent residual layers of the same type" (Fig. 4).
+* :func:`regex`: ordered ``(pattern, label template)`` rules, in the spirit of
+  big_vision's parameter rules: the first pattern that ``re.fullmatch``-es a path gives
+  the label ``match.expand(template)``; unmatched leaves are singletons.
+
+:func:`report` prints what was grouped, so users can check it before training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from resireduce_jax.tree_paths import is_compressible, path_to_str
+
+PyTree = Any
+Grouping = PyTree | Callable[[PyTree], PyTree]
+
+__all__ = [
+    "Group",
+    "GroupingReport",
+    "auto",
+    "each_leaf",
+    "regex",
+    "report",
+    "resolve",
+    "role",
+]
+
+_INDEX = re.compile(r"\d+")
+
+
+def role(path: str) -> str:
+    """A leaf's role: its path with every number replaced by ``*`` (``h_3/mlp`` → ``h_*/mlp``)."""
+    return _INDEX.sub("*", path)
+
+
+def _layer_order(path: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in _INDEX.findall(path))
+
+
+def _flatten(params: PyTree) -> tuple[list[str], list[Any], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return [path_to_str(p) for p, _ in flat], [x for _, x in flat], treedef
+
+
+def each_leaf() -> Callable[[PyTree], PyTree]:
+    """Every leaf in its own group (labels are the paths): plain error feedback."""
+
+    def labels(params: PyTree) -> PyTree:
+        paths, _, treedef = _flatten(params)
+        return treedef.unflatten(paths)
+
+    return labels
+
+
+def auto(max_group_size: int | None = 3) -> Callable[[PyTree], PyTree]:
+    """Groups adjacent same-role, same-shape leaves (paper §4.1, "reusable groups").
+
+    Leaves are bucketed by ``(role(path), shape, dtype)``; inside a bucket they are ordered
+    by the numbers in their paths (layer order, so ``h_10`` follows ``h_9``) and cut into
+    consecutive runs of at most ``max_group_size`` (``None``: no limit). The paper groups
+    three adjacent transformer layers and a whole ResNet stage; use :func:`regex` where a
+    model's structure (e.g. pooling boundaries in VGG) must be respected exactly.
+
+    Args:
+      max_group_size: largest number of leaves sharing one residual, ``>= 1`` or ``None``.
+
+    Returns:
+      A callable ``params -> labels``; labels look like ``h_*/attn/c_attn/kernel#0``.
+    """
+    valid_int = isinstance(max_group_size, int) and not isinstance(max_group_size, bool)
+    if max_group_size is not None and not (valid_int and max_group_size >= 1):
+        raise ValueError(f"max_group_size must be an int >= 1 or None, got {max_group_size!r}.")
+
+    def labels(params: PyTree) -> PyTree:
+        paths, leaves, treedef = _flatten(params)
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+            key = (role(path), tuple(np.shape(leaf)), str(getattr(leaf, "dtype", "")))
+            buckets.setdefault(key, []).append(i)
+        out = list(paths)
+        for (leaf_role, _, _), members in buckets.items():
+            if len(members) == 1:
+                continue
+            members.sort(key=lambda i: _layer_order(paths[i]))
+            size = max_group_size or len(members)
+            for run, start in enumerate(range(0, len(members), size)):
+                chunk = members[start : start + size]
+                if len(chunk) == 1:
+                    continue  # a leftover single leaf keeps its own residual
+                shape = "x".join(map(str, np.shape(leaves[chunk[0]])))
+                for i in chunk:
+                    out[i] = f"{leaf_role}[{shape}]#{run}"
+        return treedef.unflatten(out)
+
+    return labels
+
+
+def regex(
+    rules: Mapping[str, str] | Sequence[tuple[str, str]],
+) -> Callable[[PyTree], PyTree]:
+    r"""Labels from ordered ``(pattern, template)`` rules on leaf paths.
+
+    The first pattern that ``re.fullmatch``-es a leaf's path labels it with
+    ``match.expand(template)`` (so ``\1`` or ``\g<name>`` refer to the pattern's groups).
+    Leaves that match no rule are singletons labelled by their path.
+
+    Example (GPT-2: each weight role across three consecutive layers)::
+
+        regex([(r"h_(\d+)/(attn|mlp)/(\w+)/kernel", r"\2/\3")])   # then split by layer:
+        regex({r"h_([0-2])/(.*)": r"h0-2/\2", r"h_([3-5])/(.*)": r"h3-5/\2"})
+
+    Args:
+      rules: an ordered mapping or a sequence of ``(pattern, template)`` pairs.
+
+    Returns:
+      A callable ``params -> labels``.
+    """
+    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    compiled = []
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ValueError(f"A grouping rule must be a (pattern, template) pair, got {item!r}.")
+        pattern, template = item
+        try:
+            compiled.append((re.compile(pattern), template))
+        except re.error as e:
+            raise ValueError(f"Invalid grouping pattern {pattern!r}: {e}.") from None
+
+    def labels(params: PyTree) -> PyTree:
+        paths, _, treedef = _flatten(params)
+        out = []
+        for path in paths:
+            label = path
+            for pattern, template in compiled:
+                m = pattern.fullmatch(path)
+                if m:
+                    label = m.expand(template)
+                    break
+            out.append(label)
+        return treedef.unflatten(out)
+
+    return labels
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One residual-sharing group of compressed leaves.
+
+    Attributes:
+      label: the group's label.
+      members: leaf indices (``jax.tree.leaves`` order) in processing order (layer order).
+      paths: the members' paths.
+      shape: the common leaf shape.
+      dtype: the common leaf dtype.
+    """
+
+    label: str
+    members: tuple[int, ...]
+    paths: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _labels_for(params: PyTree, grouping: Grouping) -> list[Any]:
+    labels = grouping(params) if callable(grouping) else grouping
+    treedef = jax.tree.structure(params)
+    try:
+        return treedef.flatten_up_to(labels)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "The grouping labels must have the same tree structure as the params (one label "
+            f"per leaf); got {jax.tree.structure(labels)} for params {treedef}."
+        ) from e
+
+
+def resolve(params: PyTree, grouping: Grouping, min_size: int) -> list[Group]:
+    """Groups of compressed leaves, validated, in order of their first member.
+
+    Args:
+      params: the params (or updates, or ``ShapeDtypeStruct``s): only shapes and dtypes
+        are read.
+      grouping: labels pytree or callable (see module docstring).
+      min_size: leaves with fewer elements or ``ndim <= 1`` are not compressed and belong
+        to no group.
+
+    Returns:
+      The groups. Members of a group are ordered by the numbers in their paths.
+
+    Raises:
+      ValueError: if leaves of different shapes or dtypes share a label.
+    """
+    paths, leaves, _ = _flatten(params)
+    labels = _labels_for(params, grouping)
+    by_label: dict[str, list[int]] = {}
+    for i, (leaf, label) in enumerate(zip(leaves, labels, strict=True)):
+        if not is_compressible(leaf, min_size):
+            continue
+        if not isinstance(label, str):
+            raise ValueError(f"Group label of '{paths[i]}' must be a string, got {label!r}.")
+        by_label.setdefault(label, []).append(i)
+    groups = []
+    for label, members in by_label.items():
+        members.sort(key=lambda i: (_layer_order(paths[i]), i))
+        signatures = {(tuple(np.shape(leaves[i])), np.dtype(leaves[i].dtype)) for i in members}
+        if len(signatures) > 1:
+            detail = ", ".join(
+                f"'{paths[i]}' {tuple(np.shape(leaves[i]))} {np.dtype(leaves[i].dtype)}"
+                for i in members
+            )
+            raise ValueError(
+                f"Group '{label}' mixes shapes or dtypes: {detail}. Members of a group share "
+                "one residual, so they must have the same shape and dtype; fix the grouping "
+                "rules (resireduce_jax.grouping.report shows what each rule matched)."
+            )
+        first = leaves[members[0]]
+        groups.append(
+            Group(
+                label=label,
+                members=tuple(members),
+                paths=tuple(paths[i] for i in members),
+                shape=tuple(np.shape(first)),
+                dtype=np.dtype(first.dtype),
+            )
+        )
+    groups.sort(key=lambda g: g.members[0])
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupingReport:
+    """What a grouping does to a params tree: groups, members and residual bytes.
+
+    ``str(report)`` is a readable table; ``rows`` holds the same data for programs.
+    """
+
+    rows: tuple[dict[str, Any], ...]
+    dense_leaves: int
+    dense_bytes: int
+
+    @property
+    def residual_bytes_per_leaf(self) -> int:
+        return sum(r["bytes"] * r["members"] for r in self.rows)
+
+    @property
+    def residual_bytes_grouped(self) -> int:
+        return sum(r["bytes"] for r in self.rows)
+
+    def __str__(self) -> str:
+        header = ("group", "members", "shape", "residual", "paths")
+        lines = []
+        for r in self.rows:
+            shown = r["paths"] if len(r["paths"]) <= 3 else [*r["paths"][:2], "…", r["paths"][-1]]
+            size = _fmt_bytes(r["bytes"])
+            lines.append((r["group"], str(r["members"]), r["shape"], size, ", ".join(shown)))
+        widths = [
+            max(len(h), *(len(line[c]) for line in lines)) if lines else len(h)
+            for c, h in enumerate(header)
+        ]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+        out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*line) for line in lines]
+        shared = sum(1 for r in self.rows if r["members"] > 1)
+        out.append(
+            f"{len(self.rows)} groups ({shared} shared) over "
+            f"{sum(r['members'] for r in self.rows)} compressed leaves: residuals "
+            f"{_fmt_bytes(self.residual_bytes_grouped)} instead of "
+            f"{_fmt_bytes(self.residual_bytes_per_leaf)} with one residual per leaf; "
+            f"{self.dense_leaves} small leaves ({_fmt_bytes(self.dense_bytes)}) travel dense."
+        )
+        return "\n".join(out)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def report(params: PyTree, grouping: Grouping, min_size: int = 10_000) -> GroupingReport:
+    """Tabulates the groups ``grouping`` forms on ``params`` (shapes only; nothing allocated).
+
+    Args:
+      params: params or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
+      grouping: labels pytree or callable.
+      min_size: as in :func:`resireduce_jax.resireduce`.
+
+    Returns:
+      A :class:`GroupingReport`; print it.
+    """
+    groups = resolve(params, grouping, min_size)
+    _, leaves, _ = _flatten(params)
+    grouped = {i for g in groups for i in g.members}
+    dense = [x for i, x in enumerate(leaves) if i not in grouped]
+    rows = tuple(
+        {
+            "group": g.label,
+            "members": len(g.members),
+            "shape": "x".join(map(str, g.shape)),
+            "bytes": g.size * g.dtype.itemsize,
+            "paths": list(g.paths),
+        }
+        for g in groups
+    )
+    dense_bytes = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in dense)
+    return GroupingReport(rows=rows, dense_leaves=len(dense), dense_bytes=dense_bytes)

@@ -1,0 +1,385 @@
+"""ResiReduce: error feedback with reduced residual memory, as an optax transform.
+
+Implements Zheng et al., "Saving Memory via Residual Reduction for DNN Training with
+Compressed Communication": error feedback (§2.2) whose residuals are shared across
+reusable groups of similar adjacent layers (§4.2, ResiReduce-a / -w) and compressed inside
+large single layers (§4.3, ResiReduce-d / -2d). Storage lives in
+:mod:`resireduce_jax.residual_stores`, grouping in :mod:`resireduce_jax.grouping`; this
+module wires them to a compressor and the exchange.
+
+One step, per worker, for a group with members ``1..a`` and stored residual ``R``::
+
+    for i in 1..a (layer order):
+        G~_i = G_i + R                  # every member compensated with the previous R
+        P_i  = Q(G~_i);  out_i = mean_w D(P_i)
+        r_i  = G~_i - D(P_i)            # member's fresh residual
+    R <- sum_i w_i r_i / sum_i w_i      # -w (w_i from r_i or G~_i), or mean (-a)
+
+Memory at the compiled peak (DESIGN.md §4, §6): if all ``r_i`` were computed first and
+summed afterwards, XLA would keep every member's transient residual alive at once and give
+back at the peak most of what the smaller state saved. The members are therefore chained:
+member ``i+1`` is compensated with ``R`` only after member ``i`` has been added to the
+running sum, through an explicit data dependency (``_after``), so at most one member's
+residual is alive at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from resireduce_jax import grouping as grouping_lib
+from resireduce_jax import residual_stores as stores
+from resireduce_jax.compressors.base import Compressor, check_axis_bound, dense_mean
+from resireduce_jax.transforms import (
+    DEFAULT_MIN_SIZE,
+    _check_compressor,
+    _check_min_size,
+    _init_compressor_state,
+    leaf_key,
+)
+from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
+
+PyTree = Any
+IntraLayers = str | Callable[[str, tuple[int, ...]], bool]
+
+__all__ = ["INTRA_AUTO_SHARE", "ResiReduceState", "plan_stores", "resireduce"]
+
+INTER_MODES = ("none", "average", "weighted")
+INTRA_MODES = ("none", "rows", "2d")
+SELECTIONS = ("top", "softmax_sample")
+WEIGHT_SOURCES = ("residual", "compensated")
+INTRA_AUTO_SHARE = 0.10
+"""``intra_layers="auto"`` picks singleton leaves holding at least this share of all
+compressed elements (VGG-19's first classifier layer, GPT-2's and BERT's word embeddings)."""
+
+# Distinct streams for the keys of residual selection (vs. the compressor's keys).
+_SELECTION_STREAM = 0x5E1EC7
+
+
+class ResiReduceState(NamedTuple):
+    """State of :func:`resireduce`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      residuals: one entry per group label: a dense array (own or shared residual),
+        :class:`~resireduce_jax.residual_stores.RowsResidual` or
+        :class:`~resireduce_jax.residual_stores.BlockResidual`. Per worker.
+      compressor_state: per-leaf compressor state (params structure; ``MaskedNode`` for
+        dense leaves).
+    """
+
+    count: jax.Array
+    residuals: dict[str, Any]
+    compressor_state: PyTree
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}.")
+    return value
+
+
+def _check_ratio(name: str, value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}.") from None
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
+    return v
+
+
+def _intra_predicate(intra_layers: IntraLayers, total_elements: int):
+    if intra_layers == "auto":
+        return lambda path, shape: math.prod(shape) >= INTRA_AUTO_SHARE * total_elements
+    if isinstance(intra_layers, str):
+        try:
+            pattern = re.compile(intra_layers)
+        except re.error as e:
+            raise ValueError(f"intra_layers regex {intra_layers!r} is invalid: {e}.") from None
+        return lambda path, shape: pattern.search(path) is not None
+    if callable(intra_layers):
+        return intra_layers
+    raise ValueError(
+        "intra_layers must be a regex string, a predicate (path, shape) -> bool, or 'auto'; "
+        f"got {intra_layers!r}."
+    )
+
+
+def plan_stores(
+    params: PyTree,
+    *,
+    grouping: grouping_lib.Grouping,
+    min_size: int = DEFAULT_MIN_SIZE,
+    inter: str = "weighted",
+    intra: str = "2d",
+    intra_layers: IntraLayers = "auto",
+    row_ratio: float | None = None,
+    col_ratio: float = 0.5,
+    selection: str = "top",
+    phi: float = 0.5,
+    weight_source: str = "residual",
+    residual_dtype: Any = None,
+) -> list[stores.StorePlan]:
+    """Decides, from shapes only, how every group's residual is stored.
+
+    Arguments as in :func:`resireduce`. Returns one :class:`StorePlan` per group, in order
+    of the groups' first leaves. Raises ValueError for invalid combinations.
+    """
+    if inter == "none":
+        grouping = grouping_lib.each_leaf()
+    groups = grouping_lib.resolve(params, grouping, min_size)
+    paths = leaf_paths(params)
+    leaves = jax.tree.leaves(params)
+    total = sum(g.size * len(g.members) for g in groups)
+    wants_intra = _intra_predicate(intra_layers, total) if intra != "none" else None
+
+    if row_ratio is None:
+        row_ratio = 0.25 if intra == "rows" else 0.5
+    row_ratio = _check_ratio("row_ratio", row_ratio)
+    col_ratio = _check_ratio("col_ratio", col_ratio)
+
+    if wants_intra is not None and intra_layers != "auto":
+        _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_size)
+
+    plans = []
+    for g in groups:
+        dtype = np.dtype(residual_dtype) if residual_dtype is not None else g.dtype
+        common = dict(group=g, dtype=dtype, phi=phi, weight_source=weight_source)
+        if len(g.members) > 1:
+            plans.append(stores.StorePlan(kind=inter, **common))
+        elif wants_intra is not None and wants_intra(g.paths[0], g.shape):
+            view = stores.matrix_view(g.paths[0], g.shape)
+            keep_rows = max(1, math.floor(row_ratio * view.num_rows))
+            keep_cols = max(1, math.floor(col_ratio * view.num_cols)) if intra == "2d" else 0
+            plans.append(
+                stores.StorePlan(
+                    kind=intra,
+                    view=view,
+                    keep_rows=keep_rows,
+                    keep_cols=keep_cols,
+                    selection=selection,
+                    **common,
+                )
+            )
+        else:
+            plans.append(stores.StorePlan(kind="leaf", **common))
+    return plans
+
+
+def _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_size):
+    """Explicit ``intra_layers`` must select compressed singleton leaves with ndim >= 2."""
+    shapes = [tuple(np.shape(x)) for x in leaves]
+    matched = [(p, s) for p, s in zip(paths, shapes, strict=True) if wants_intra(p, s)]
+    if not matched:
+        raise ValueError(
+            f"intra_layers={intra_layers!r} matches no leaf, so intra-layer reduction would do "
+            "nothing. Check the pattern against resireduce_jax.grouping.report(params, ...) "
+            "or pass intra='none'."
+        )
+    in_shared = {p for g in groups if len(g.members) > 1 for p in g.paths}
+    compressed = {p for g in groups for p in g.paths}
+    for path, shape in matched:
+        if len(shape) < 2:
+            raise ValueError(
+                f"intra_layers matches '{path}' of shape {shape}: intra-layer reduction works "
+                "on leaves with ndim >= 2 (it keeps rows/columns of a matrix view)."
+            )
+        if path not in compressed:
+            raise ValueError(
+                f"intra_layers matches '{path}' of shape {shape}, which has fewer than "
+                f"min_size={min_size} elements: it travels dense and has no residual to reduce."
+            )
+        if path in in_shared:
+            raise ValueError(
+                f"intra_layers matches '{path}', which shares a group residual with other "
+                "layers; intra-layer reduction applies to singleton groups (§4.3). Narrow the "
+                "pattern or change the grouping."
+            )
+
+
+def _after(x: jax.Array, dependency: jax.Array) -> jax.Array:
+    """``x``, but only once ``dependency`` is computed (a real data dependency).
+
+    ``optimization_barrier`` returns its operands unchanged; XLA may not move uses of its
+    outputs before the barrier. Chaining member ``i+1``'s gradient through a barrier with
+    the running group sum keeps members from being processed in parallel, which would keep
+    all their transient residuals alive at once. The values are untouched, so NaN/Inf in
+    one member cannot leak into another through this dependency.
+    """
+    x, _ = lax.optimization_barrier((x, dependency))
+    return x
+
+
+def resireduce(
+    compressor: Compressor,
+    axis_name: str = "data",
+    *,
+    grouping: grouping_lib.Grouping | None = None,
+    inter: Literal["none", "average", "weighted"] = "weighted",
+    intra: Literal["none", "rows", "2d"] = "2d",
+    intra_layers: IntraLayers = "auto",
+    row_ratio: float | None = None,
+    col_ratio: float = 0.5,
+    selection: Literal["top", "softmax_sample"] = "top",
+    phi: float = 0.5,
+    weight_source: Literal["residual", "compensated"] = "residual",
+    residual_dtype: Any = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Compressed gradient averaging with error feedback and reduced residuals.
+
+    Args:
+      compressor: a compressor from :mod:`resireduce_jax.compressors` (e.g. ``topk(0.01)``).
+      axis_name: the mapped axis of the data-parallel workers (shard_map or pmap).
+      grouping: which leaves share a residual: a labels pytree or a callable
+        ``params -> labels`` (:mod:`resireduce_jax.grouping`); default
+        ``grouping.auto()`` (adjacent same-role, same-shape leaves, up to 3).
+      inter: ``"none"`` (every leaf keeps its own residual: exactly
+        :func:`~resireduce_jax.error_feedback`), ``"average"`` (ResiReduce-a, §4.2) or
+        ``"weighted"`` (ResiReduce-w, §4.2).
+      intra: ``"none"``, ``"rows"`` (ResiReduce-d, §4.3) or ``"2d"`` (ResiReduce-2d, §4.3),
+        applied to singleton groups selected by ``intra_layers``.
+      intra_layers: a regex searched in leaf paths, a predicate ``(path, shape) -> bool``,
+        or ``"auto"``: singleton leaves with at least ``INTRA_AUTO_SHARE`` (10 %) of all
+        compressed elements.
+      row_ratio: fraction of rows kept (default 0.25 for ``"rows"``, 0.5 for ``"2d"``: both
+        keep 25 % of the elements, as in the paper's Fig. 7).
+      col_ratio: fraction of columns kept by ``"2d"``.
+      selection: ``"top"`` (rows/columns of largest L1 norm, the paper) or
+        ``"softmax_sample"`` (sampled without replacement with probabilities
+        ``softmax(L1 norms)``, the reference code).
+      phi: weight of the L1 term in ResiReduce-w's member weights.
+      weight_source: ``"residual"`` (weights from the members' residuals, the paper) or
+        ``"compensated"`` (from the compensated gradients, the reference code).
+      residual_dtype: storage dtype of residuals (e.g. ``jnp.bfloat16``); default: the
+        leaf's dtype. Beyond the paper.
+      min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
+      seed: seed of the per-step keys (compressor randomness, softmax sampling).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`ResiReduceState`.
+    """
+    compressor = _check_compressor(compressor)
+    min_size = _check_min_size(min_size)
+    _check_choice("inter", inter, INTER_MODES)
+    _check_choice("intra", intra, INTRA_MODES)
+    _check_choice("selection", selection, SELECTIONS)
+    _check_choice("weight_source", weight_source, WEIGHT_SOURCES)
+    if not (isinstance(phi, int | float) and 0.0 <= phi <= 1.0):
+        raise ValueError(f"phi must be a number in [0, 1], got {phi!r}.")
+    if row_ratio is not None:
+        _check_ratio("row_ratio", row_ratio)
+    _check_ratio("col_ratio", col_ratio)
+    if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
+        raise ValueError(f"residual_dtype must be a floating dtype, got {residual_dtype!r}.")
+    if grouping is None:
+        grouping = grouping_lib.auto()
+    options = dict(
+        grouping=grouping,
+        min_size=min_size,
+        inter=inter,
+        intra=intra,
+        intra_layers=intra_layers,
+        row_ratio=row_ratio,
+        col_ratio=col_ratio,
+        selection=selection,
+        phi=phi,
+        weight_source=weight_source,
+        residual_dtype=residual_dtype,
+    )
+
+    def init_fn(params):
+        validate_float_leaves(params, "resireduce")
+        plans = plan_stores(params, **options)
+        return ResiReduceState(
+            count=jnp.zeros([], jnp.int32),
+            residuals={p.group.label: stores.init_store(p) for p in plans},
+            compressor_state=_init_compressor_state(compressor, params, min_size),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        check_axis_bound(axis_name)
+        plans = plan_stores(updates, **options)
+        leaves, treedef = jax.tree.flatten(updates)
+        cstates = treedef.flatten_up_to(state.compressor_state)
+        out: list[Any] = [None] * len(leaves)
+        new_cstates = list(cstates)
+        new_residuals = {}
+
+        def exchange(i, compensated):
+            key = leaf_key(seed, state.count, i, compressor, axis_name)
+            reduced = compressor.reduce(compensated, cstates[i], key, axis_name)
+            out[i] = reduced.mean
+            new_cstates[i] = reduced.state
+            return reduced.residual
+
+        previous_group = None
+        for plan in plans:
+            stored = state.residuals[plan.group.label]
+            if plan.shared:
+                residual = _update_shared(plan, stored, leaves, exchange, previous_group)
+                new_residuals[plan.group.label] = previous_group = residual
+                continue
+            (i,) = plan.group.members
+            r = exchange(i, stores.compensate(plan, stored, leaves[i]))
+            if plan.kind == "leaf":
+                new_residuals[plan.group.label] = r.astype(plan.dtype)
+            else:
+                key = _selection_key(seed, state.count, i, axis_name, plan)
+                new_residuals[plan.group.label] = stores.compress_residual(plan, r, key)
+
+        for i, g in enumerate(leaves):
+            if out[i] is None:  # not compressed: dense mean, no residual
+                out[i] = dense_mean(g, axis_name)
+        new_state = ResiReduceState(
+            count=optax.safe_int32_increment(state.count),
+            residuals=new_residuals,
+            compressor_state=treedef.unflatten(new_cstates),
+        )
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _selection_key(seed, count, leaf_index, axis_name, plan):
+    if plan.selection != "softmax_sample":
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _SELECTION_STREAM), count)
+    key = jax.random.fold_in(key, leaf_index)
+    return jax.random.fold_in(key, lax.axis_index(axis_name))  # residuals differ per worker
+
+
+def _update_shared(plan, stored, leaves, exchange, previous_group):
+    """One step of a shared group (§4.2): members in order, running weighted sum.
+
+    Member ``i+1`` starts after member ``i`` was added to the sum, and the group's first
+    member after the previous shared group finished, so one running sum is alive at a time.
+    """
+    acc = None
+    for i in plan.group.members:
+        dependency = previous_group if acc is None else acc.total
+        g = leaves[i] if dependency is None else _after(leaves[i], dependency)
+        compensated = stores.compensate(plan, stored, g)
+        if plan.kind == "weighted" and plan.weight_source == "compensated":
+            weight = stores.residual_weight(compensated, plan.phi)
+            # Read G~ for the weight before the exchange updates it in place.
+            compensated = _after(compensated, weight)
+        r = exchange(i, compensated)
+        if plan.kind == "average":
+            weight = jnp.ones([], jnp.float32)
+        elif plan.weight_source == "residual":
+            weight = stores.residual_weight(r, plan.phi)
+        acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
+    return acc.finish(plan)
