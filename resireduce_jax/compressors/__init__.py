@@ -12,7 +12,31 @@ from typing import Any
 
 from resireduce_jax.compressors.base import Compressor, Reduced
 from resireduce_jax.compressors.dense import Cast, NoCompression
-from resireduce_jax.compressors.sparse import RandomK, SparsePayload, TopK
+from resireduce_jax.compressors.lowrank import LowRankPayload, PowerSGD
+from resireduce_jax.compressors.quantize import (
+    QSGD,
+    NaturalCompression,
+    NaturalPayload,
+    QuantizedPayload,
+    TernaryPayload,
+    TernGrad,
+)
+from resireduce_jax.compressors.sign import (
+    EFSignSGD,
+    OneBit,
+    OneBitPayload,
+    ScaledSignPayload,
+    SignSGD,
+    Signum,
+)
+from resireduce_jax.compressors.sparse import (
+    DGC,
+    FastTopK,
+    RandomK,
+    SparsePayload,
+    Threshold,
+    TopK,
+)
 
 
 def none() -> NoCompression:
@@ -40,12 +64,87 @@ def randomk(density: float = 0.01, scaled: bool = False) -> RandomK:
     return RandomK(density, scaled)
 
 
+def fast_topk(
+    density: float = 0.01,
+    sample_ratio: float = 0.01,
+    margin: float = 4.0,
+    exact_below: int = 1 << 18,
+    seed: int = 0,
+) -> FastTopK:
+    """Fast Top-k for large leaves (sampled threshold + two-level compaction + exact top-k
+    of the candidates); exact Top-k whenever the candidate count lands in range. Biased."""
+    return FastTopK(density, sample_ratio, margin, exact_below, seed)
+
+
+def threshold(tau: float, max_density: float = 0.01) -> Threshold:
+    """Sends entries with ``|x| >= tau``, at most ``max_density * n`` of them. Biased."""
+    return Threshold(tau, max_density)
+
+
+def dgc(
+    density: float = 0.01, sample_ratio: float = 0.01, rounds: int = 4, tolerance: float = 0.25
+) -> DGC:
+    """Deep Gradient Compression's sampled-threshold selection of ``density * n`` entries."""
+    return DGC(density, sample_ratio, rounds, tolerance)
+
+
+def qsgd(levels: int = 127, norm: str = "l2", bucket_size: int | None = 512) -> QSGD:
+    """QSGD stochastic quantization to ``levels`` int8 levels per bucket norm. Unbiased."""
+    return QSGD(levels, norm, bucket_size)
+
+
+def terngrad() -> TernGrad:
+    """TernGrad: stochastic ternary {-1, 0, 1} * max|x|, 2 bits per entry. Unbiased."""
+    return TernGrad()
+
+
+def natural() -> NaturalCompression:
+    """Natural compression: stochastic rounding to powers of two, 1 byte per entry. Unbiased."""
+    return NaturalCompression()
+
+
+def signsgd() -> SignSGD:
+    """signSGD with majority vote: 1 bit per entry, the update is the vote. Biased."""
+    return SignSGD()
+
+
+def efsignsgd() -> EFSignSGD:
+    """Scaled sign ``||x||_1 / n * sign(x)`` (EF-signSGD), for error feedback. Biased."""
+    return EFSignSGD()
+
+
+def signum(beta: float = 0.9) -> Signum:
+    """Signum: per-worker momentum, sign of momentum, majority vote. Biased."""
+    return Signum(beta)
+
+
+def onebit() -> OneBit:
+    """1-bit SGD: sign bits + means of the non-negative / negative entries. Biased."""
+    return OneBit()
+
+
+def powersgd(rank: int = 4, seed: int = 0) -> PowerSGD:
+    """PowerSGD rank-``rank`` approximation with warm start (two small all-reduces)."""
+    return PowerSGD(rank, seed)
+
+
 REGISTRY: dict[str, Any] = {
     "none": none,
     "fp16": fp16,
     "bf16": bf16,
     "topk": topk,
     "randomk": randomk,
+    "fast_topk": fast_topk,
+    "threshold": threshold,
+    "dgc": dgc,
+    "qsgd": qsgd,
+    "terngrad": terngrad,
+    "natural": natural,
+    "signsgd": signsgd,
+    "efsignsgd": efsignsgd,
+    "signum": signum,
+    "onebit": onebit,
+    "powersgd": powersgd,
 }
 
 
@@ -60,18 +159,46 @@ def get(name: str, **kwargs: Any) -> Compressor:
 
 
 __all__ = [
+    "DGC",
+    "QSGD",
     "REGISTRY",
     "Cast",
     "Compressor",
+    "EFSignSGD",
+    "FastTopK",
+    "LowRankPayload",
+    "NaturalCompression",
+    "NaturalPayload",
     "NoCompression",
+    "OneBit",
+    "OneBitPayload",
+    "PowerSGD",
+    "QuantizedPayload",
     "RandomK",
     "Reduced",
+    "ScaledSignPayload",
+    "SignSGD",
+    "Signum",
     "SparsePayload",
+    "TernGrad",
+    "TernaryPayload",
+    "Threshold",
     "TopK",
     "bf16",
+    "dgc",
+    "efsignsgd",
+    "fast_topk",
     "fp16",
     "get",
+    "natural",
     "none",
+    "onebit",
+    "powersgd",
+    "qsgd",
     "randomk",
+    "signsgd",
+    "signum",
+    "terngrad",
+    "threshold",
     "topk",
 ]

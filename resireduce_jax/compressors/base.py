@@ -43,7 +43,9 @@ __all__ = [
     "all_gather",
     "axis_size",
     "check_axis_bound",
+    "check_int",
     "dense_mean",
+    "gathered_mean",
     "sparse_mean",
 ]
 
@@ -112,10 +114,36 @@ class Compressor(abc.ABC):
         """``x - D(payload)``; sparse methods override it with a cheaper exact form."""
         return x - self.decompress(payload, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
-    def reduce(self, x: jax.Array, state: PyTree, key: jax.Array | None, axis_name: str) -> Reduced:
-        """Compresses ``x``, exchanges it over ``axis_name`` and returns mean and residual."""
+    def skipped_residual(self, x: jax.Array, payload: PyTree, skip: jax.Array) -> jax.Array:
+        """:meth:`residual`, or ``x`` unchanged (bit for bit) where ``skip`` is true.
+
+        Used when a step is skipped on every worker (non-finite gradients somewhere, see
+        :mod:`resireduce_jax.nonfinite`). Subtracting ``+0.0`` leaves every value, ``-0.0``
+        included, unchanged, and stays one elementwise pass that XLA can run in place.
+        """
+        decompressed = self.decompress(payload, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return x - jnp.where(skip, jnp.zeros((), x.dtype), decompressed)
+
+    def reduce(
+        self,
+        x: jax.Array,
+        state: PyTree,
+        key: jax.Array | None,
+        axis_name: str,
+        skip: jax.Array | None = None,
+    ) -> Reduced:
+        """Compresses ``x``, exchanges it over ``axis_name`` and returns mean and residual.
+
+        Args:
+          x: this worker's (compensated) leaf.
+          state: the compressor's per-leaf state.
+          key: PRNG key (``None`` for deterministic compressors).
+          axis_name: the mapped axis of the workers.
+          skip: optional boolean scalar, equal on all workers; where true the step is
+            skipped: the mean is zero, the residual is ``x`` and the state is unchanged.
+        """
         like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        payload, state = self.compress(x, state, key)
+        payload, new_state = self.compress(x, state, key)
         mean = self.aggregate(payload, like, axis_name)
         # Order the residual after compression. Without this XLA recomputes ``x = G + R``
         # inside each consumer fusion and cannot prove that writing the new residual into
@@ -123,7 +151,13 @@ class Compressor(abc.ABC):
         # every residual (measured: +24 MiB temp for 12 layers of 4 MiB). The barrier is
         # a no-op at run time and changes no value.
         x, payload = lax.optimization_barrier((x, payload))
-        return Reduced(mean=mean, residual=self.residual(x, payload), state=state)
+        if skip is None:
+            return Reduced(mean=mean, residual=self.residual(x, payload), state=new_state)
+        return Reduced(
+            mean=jnp.where(skip, jnp.zeros((), mean.dtype), mean),
+            residual=self.skipped_residual(x, payload, skip),
+            state=jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state, state),
+        )
 
     def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:
         """Raises a ValueError if this compressor cannot handle the leaf at ``path``."""
@@ -138,6 +172,16 @@ class Compressor(abc.ABC):
         """Dense bytes divided by payload bytes for a leaf of this shape and dtype."""
         dense = math.prod(shape) * np.dtype(dtype).itemsize
         return dense / self.payload_bytes(shape, dtype)
+
+
+def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """Validates an integer hyper-parameter in ``[low, high]`` (``high=None``: no upper bound)."""
+    valid = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int {valid}, got {value!r}.")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an int {valid}, got {value!r}.")
+    return int(value)
 
 
 # ---------------------------------------------------------------------- exchange helpers
@@ -162,7 +206,14 @@ def axis_size(axis_name: str) -> int:
 
 
 def all_gather(x: jax.Array, axis_name: str) -> jax.Array:
-    """All-gathers ``x`` to shape ``[workers, *x.shape]``, replicated on every worker."""
+    """All-gathers ``x`` to shape ``[workers, *x.shape]``, replicated on every worker.
+
+    bfloat16 travels bit-cast to uint16: XLA:CPU otherwise widens a bfloat16 all-gather
+    to float32 and sends twice the bytes (an all-gather only moves bits, so this is exact).
+    """
+    if x.dtype == jnp.bfloat16:
+        bits = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16), axis_name, to="invarying")
+        return lax.bitcast_convert_type(bits, jnp.bfloat16)
     return lax.all_gather(x, axis_name, to="invarying")
 
 
@@ -201,3 +252,38 @@ def sparse_mean(
     acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
     total = lax.fori_loop(0, workers, add_worker, jnp.zeros((n,), acc_dtype))
     return (total / workers).astype(like.dtype).reshape(like.shape)
+
+
+def gathered_mean(
+    payload: PyTree,
+    decode: Any,
+    like: jax.ShapeDtypeStruct,
+    axis_name: str,
+) -> jax.Array:
+    """Mean over workers of ``decode(payload_w)``, after one all-gather per payload leaf.
+
+    The exchange of quantized and sign payloads: every payload leaf is all-gathered in its
+    own (narrow) dtype, then each worker's payload is decoded and added to one accumulator,
+    worker after worker (``lax.fori_loop``), so only one decoded leaf is alive at a time
+    and the summation order is fixed: the mean is bit-identical on all workers.
+
+    Args:
+      payload: one worker's payload (a pytree of arrays).
+      decode: maps one worker's payload (same structure, same shapes) to a dense array
+        shaped like ``like``.
+      like: shape and dtype of the leaf.
+      axis_name: the mapped axis of the workers.
+
+    Returns:
+      ``sum_w decode(payload_w) / W`` accumulated in (at least) float32, cast to ``like.dtype``.
+    """
+    gathered = jax.tree.map(lambda p: all_gather(p, axis_name), payload)
+    workers = axis_size(axis_name)
+    acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
+
+    def add_worker(w, acc):
+        one = jax.tree.map(lambda g: lax.dynamic_index_in_dim(g, w, keepdims=False), gathered)
+        return acc + decode(one).astype(acc_dtype)
+
+    total = lax.fori_loop(0, workers, add_worker, jnp.zeros(like.shape, acc_dtype))
+    return (total / workers).astype(like.dtype)

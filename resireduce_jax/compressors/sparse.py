@@ -6,6 +6,15 @@ Payload layout (all methods here): ``values`` (``k`` elements of the leaf's dtyp
 (:func:`~resireduce_jax.compressors.base.sparse_mean`); no dense all-reduce of the leaf
 remains. Random-k with indices shared by all workers is the exception: its values are
 summed with a ``k``-element all-reduce.
+
+The payload size is fixed at trace time. Methods whose selection size varies (threshold,
+DGC, fast Top-k) send a fixed-size payload: unused slots carry index ``n`` (one past the
+end) and value ``0``; ``sparse_mean``, ``decompress`` and ``residual`` drop them.
+
+Methods: exact Top-k (:class:`TopK`), Random-k (:class:`RandomK`), a fast two-level
+approximate Top-k for large leaves (:class:`FastTopK`), a fixed threshold
+(:class:`Threshold`) and Deep Gradient Compression's sampled-threshold selection
+(:class:`DGC`).
 """
 
 from __future__ import annotations
@@ -19,9 +28,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from resireduce_jax.compressors.base import Compressor, dense_mean, sparse_mean
+from resireduce_jax.compressors.base import Compressor, check_int, dense_mean, sparse_mean
 
-__all__ = ["RandomK", "SparsePayload", "TopK", "check_density", "num_selected"]
+__all__ = [
+    "DGC",
+    "FastTopK",
+    "RandomK",
+    "SparsePayload",
+    "Threshold",
+    "TopK",
+    "check_density",
+    "compact_indices",
+    "num_selected",
+]
+
+# Flat indices are int32 and index n marks padding, so a leaf may have at most this many
+# elements.
+MAX_SPARSE_SIZE = 2**31 - 2
 
 
 class SparsePayload(NamedTuple):
@@ -50,6 +73,12 @@ def num_selected(n: int, density: float) -> int:
     return max(1, math.floor(density * n))
 
 
+def _add_on_support(x: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
+    """``x`` with ``values`` added at the flat ``indices`` (padding indices are dropped)."""
+    flat = x.ravel().at[indices].add(values, mode="drop", unique_indices=True)
+    return flat.reshape(x.shape)
+
+
 class _SparseBase(Compressor):
     """Shared decompress / residual / bytes of the values-plus-indices payload."""
 
@@ -69,16 +98,28 @@ class _SparseBase(Compressor):
         # x - D(P) on the support only: sent entries become x_i - v_i (0 when v_i = x_i),
         # the others keep x_i; no dense D(P) is built. Subtracting the values (rather than
         # setting zeros) also orders this in-place update after the values were gathered.
-        flat = x.ravel().at[payload.indices].add(
-            -payload.values.astype(x.dtype), mode="drop", unique_indices=True
-        )
-        return flat.reshape(x.shape)
+        return _add_on_support(x, payload.indices, -payload.values.astype(x.dtype))
+
+    def skipped_residual(self, x, payload: SparsePayload, skip):
+        # Adding -0.0 leaves every value (-0.0 included) unchanged.
+        minus = jnp.where(skip, jnp.asarray(-0.0, x.dtype), -payload.values.astype(x.dtype))
+        return _add_on_support(x, payload.indices, minus)
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
         return sparse_mean(payload.values, payload.indices, like, axis_name)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return self.k(math.prod(shape)) * (np.dtype(dtype).itemsize + 4)
+
+    def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:
+        super().validate(path, like)
+        size = math.prod(like.shape)
+        if size > MAX_SPARSE_SIZE:
+            raise ValueError(
+                f"Leaf '{path}' has {size} elements; compressor '{self.name}' sends int32 "
+                f"flat indices and handles at most {MAX_SPARSE_SIZE} elements per leaf. "
+                "Split the parameter into smaller leaves."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +207,13 @@ class RandomK(_SparseBase):
 
     def residual(self, x, payload: SparsePayload):
         if self.scaled:  # D(Q(x)) = size * x_i at the chosen index, not x_i.
-            return x - self.decompress(payload, jax.ShapeDtypeStruct(x.shape, x.dtype))
+            return Compressor.residual(self, x, payload)
         return super().residual(x, payload)
+
+    def skipped_residual(self, x, payload: SparsePayload, skip):
+        if self.scaled:
+            return Compressor.skipped_residual(self, x, payload, skip)
+        return super().skipped_residual(x, payload, skip)
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
         # Same indices on every worker: sum the k values densely, scatter once.
@@ -177,3 +223,332 @@ class RandomK(_SparseBase):
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         # Only values travel; indices are regenerated from the shared key.
         return self.k(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+# --------------------------------------------------------------- fixed-capacity selection
+
+
+def compact_indices(mask: jax.Array, capacity: int, fill: int) -> jax.Array:
+    """Positions of the first ``capacity`` ``True`` entries of a 1-D ``mask``, in order.
+
+    Stream compaction into a fixed-size buffer: an inclusive prefix count gives every
+    selected entry its slot, and one scatter writes the positions. Selected entries beyond
+    ``capacity`` are dropped; unused slots hold ``fill``. The prefix count is a
+    ``lax.associative_scan``, which XLA:CPU runs about twice as fast as ``jnp.cumsum``.
+
+    Args:
+      mask: 1-D boolean array.
+      capacity: number of slots (static).
+      fill: value of unused slots (e.g. ``mask.size``: out of range, dropped downstream).
+
+    Returns:
+      An int32 array of ``capacity`` positions into ``mask``.
+    """
+    slot = lax.associative_scan(jnp.add, mask.astype(jnp.int32)) - 1
+    slot = jnp.where(mask, slot, capacity)  # unselected entries write out of range
+    positions = jnp.arange(mask.size, dtype=jnp.int32)
+    return jnp.full((capacity,), fill, jnp.int32).at[slot].set(positions, mode="drop")
+
+
+def _gather_padded(flat: jax.Array, indices: jax.Array) -> jax.Array:
+    """``flat[indices]`` with ``0`` where an index is padding (``>= flat.size``)."""
+    return flat.at[indices].get(mode="fill", fill_value=0)
+
+
+def _top_candidates(magnitudes: jax.Array, positions: jax.Array, k: int, n: int) -> jax.Array:
+    """Exact top-``k`` among candidate ``magnitudes`` (``< 0`` marks an empty slot).
+
+    Returns the flat leaf indices of the chosen candidates, ``n`` for empty slots.
+    """
+    top, j = lax.top_k(magnitudes, k)
+    return jnp.where(top >= 0, positions[j], n).astype(jnp.int32)
+
+
+def _check_fraction_above_zero(value: Any, name: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}.") from None
+    if not (out > 0.0 and math.isfinite(out)):  # also rejects NaN
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwoLevelPlan:
+    """Static sizes of one :class:`FastTopK` selection (all Python ints)."""
+
+    sample_size: int  # m: entries sampled to estimate the threshold
+    stride: int  # one sample per stratum of this many entries
+    rank: int  # the threshold is the rank-th largest sampled magnitude
+    capacity: int  # candidate slots (>= k)
+    block: int  # entries per block of the block-level filter
+
+
+@dataclasses.dataclass(frozen=True)
+class FastTopK(_SparseBase):
+    """Fast Top-k for large leaves: sampled threshold, two-level compaction, exact top-k of
+    the candidates.
+
+    Exact ``lax.top_k`` over tens of millions of entries dominates a compressed step on CPU
+    (DESIGN.md §6). This selection touches the full leaf only with cheap, streaming
+    passes and runs the exact top-k on about ``k`` candidates:
+
+    1. Threshold. A stratified sample of ``m = min(n, max(16384, ceil(sample_ratio n)))``
+       magnitudes (one per stratum of ``n // m`` entries, at fixed pseudo-random offsets)
+       has ``mu = m k / n`` entries above the true k-th largest magnitude on average. The
+       threshold ``t`` is the ``r``-th largest sample with ``r = ceil(mu + margin sqrt(mu))``,
+       so that about ``r n / m >= k`` entries pass it.
+    2. Block filter. The leaf is cut into blocks of ``b`` entries; blocks whose maximum
+       passes ``t`` are compacted into ``C`` slots (a prefix count over ``n / b`` block
+       maxima), where ``C = ceil((r + margin sqrt(r)) n / m)`` bounds the candidate count.
+    3. Element filter. Entries of the kept blocks that pass ``t`` are compacted into ``C``
+       slots (a prefix count over ``C b`` entries).
+    4. ``lax.top_k`` over the ``C`` candidates picks the ``k`` largest.
+
+    Recall: the result is exactly the Top-k set (up to ties) whenever the number of
+    entries passing ``t`` lies in ``[k, C]``; ``margin`` (in binomial standard deviations)
+    makes both failures rare for any data distribution, since only sample quantiles are
+    used. If fewer than ``k`` pass, the payload is padded (index ``n``, value ``0``); if
+    more than ``C`` pass, candidates beyond ``C`` in index order are ignored. Zeros and
+    NaNs are never selected. Measured recall and speed: ``benchmarks/compressors.py``.
+    Leaves with fewer than ``exact_below`` entries, or where ``C > n / 2``, use exact
+    ``lax.top_k``. Biased (like Top-k): use error feedback.
+
+    Payload: ``k = max(1, floor(density n))`` values (leaf dtype) + ``k`` int32 indices,
+    ``k (itemsize + 4)`` bytes per worker; exchanged by all-gather + scatter-add.
+
+    Attributes:
+      density: fraction of entries sent, in (0, 1].
+      sample_ratio: fraction of entries sampled for the threshold, in (0, 1].
+      margin: safety margin of the threshold and the capacity, in standard deviations.
+      exact_below: leaves with fewer entries use exact ``lax.top_k``.
+      seed: seed of the fixed sample offsets (the same on every worker and step).
+    """
+
+    density: float = 0.01
+    sample_ratio: float = 0.01
+    margin: float = 4.0
+    exact_below: int = 1 << 18
+    seed: int = 0
+    name: ClassVar[str] = "fast_topk"
+    biased: ClassVar[bool] = True
+
+    MIN_SAMPLE: ClassVar[int] = 16384
+
+    def __post_init__(self):
+        object.__setattr__(self, "density", check_density(self.density))
+        object.__setattr__(self, "sample_ratio", check_density(self.sample_ratio, "sample_ratio"))
+        object.__setattr__(self, "margin", _check_fraction_above_zero(self.margin, "margin"))
+        object.__setattr__(self, "exact_below", check_int(self.exact_below, "exact_below", 0))
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
+
+    def k(self, n: int) -> int:
+        return num_selected(n, self.density)
+
+    def plan(self, n: int) -> _TwoLevelPlan | None:
+        """The static sizes of the selection for ``n`` entries; ``None`` means exact top-k."""
+        if n < max(self.exact_below, 2):
+            return None
+        k = self.k(n)
+        m = min(n, max(self.MIN_SAMPLE, math.ceil(self.sample_ratio * n)))
+        stride = n // m
+        mu = m * k / n
+        rank = min(m, math.ceil(mu + self.margin * math.sqrt(mu)))
+        capacity = max(k, math.ceil((rank + self.margin * math.sqrt(rank)) * n / m))
+        if 2 * capacity > n:
+            return None
+        # Balance the two prefix counts: n / b block maxima against C b entries.
+        block = int(2 ** round(math.log2(math.sqrt(n / capacity))))
+        block = min(max(block, 2), 256)
+        return _TwoLevelPlan(m, stride, rank, capacity, block)
+
+    def compress(self, x, state, key):
+        del key
+        flat = x.ravel()
+        n, k = flat.size, self.k(flat.size)
+        magnitudes = jnp.abs(flat)
+        plan = self.plan(n)
+        if plan is None:
+            _, indices = lax.top_k(magnitudes, k)
+            indices = indices.astype(jnp.int32)
+            return SparsePayload(flat[indices], indices), state
+        indices = self._select(magnitudes, k, plan)
+        return SparsePayload(_gather_padded(flat, indices), indices), state
+
+    def _select(self, magnitudes: jax.Array, k: int, plan: _TwoLevelPlan) -> jax.Array:
+        n, b, cap = magnitudes.size, plan.block, plan.capacity
+        offsets = jax.random.randint(
+            jax.random.PRNGKey(self.seed), (plan.sample_size,), 0, plan.stride, jnp.int32
+        )
+        sample = magnitudes[jnp.arange(plan.sample_size, dtype=jnp.int32) * plan.stride + offsets]
+        threshold = lax.top_k(sample, plan.rank)[0][-1]
+
+        num_blocks = -(-n // b)
+        blocks = jnp.pad(magnitudes, (0, num_blocks * b - n), constant_values=-1).reshape(
+            num_blocks, b
+        )
+        block_max = blocks.max(axis=1)
+        block_cap = min(num_blocks, cap)
+        kept_blocks = compact_indices(
+            (block_max >= threshold) & (block_max > 0), block_cap, fill=num_blocks
+        )
+        candidates = blocks.at[kept_blocks].get(mode="fill", fill_value=-1).ravel()
+        slots = compact_indices(
+            (candidates >= threshold) & (candidates > 0), cap, fill=candidates.size
+        )
+        chosen = candidates.at[slots].get(mode="fill", fill_value=-1)
+        block_of = kept_blocks.at[slots // b].get(mode="fill", fill_value=num_blocks)
+        positions = block_of * b + slots % b
+        return _top_candidates(chosen, positions, k, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold(_SparseBase):
+    """Threshold sparsification: send every entry with ``|x| >= tau`` (Strom, "Scalable
+    Distributed DNN Training Using Commodity GPU Cloud Computing", Interspeech 2015; the
+    "hard threshold" sparsifier of Sahu et al., NeurIPS 2021).
+
+    The number of entries above ``tau`` varies from step to step, but collectives need
+    static shapes, so the payload has a fixed capacity ``c = max(1, floor(max_density n))``.
+    Passing entries are compacted in flat-index order (prefix count + scatter); **entries
+    beyond the capacity stay unsent**: they remain in ``x - D(P)``, so error feedback
+    carries them to the next step, but without error feedback they are lost. Unused slots
+    are padding (index ``n``, value ``0``). Biased: use error feedback.
+
+    Payload: ``c`` values (leaf dtype) + ``c`` int32 indices, ``c (itemsize + 4)`` bytes
+    per worker whatever the number of passing entries; exchanged by all-gather +
+    scatter-add.
+
+    Attributes:
+      tau: the magnitude threshold, ``> 0``.
+      max_density: capacity as a fraction of the leaf's entries, in (0, 1].
+    """
+
+    tau: float = 1e-3
+    max_density: float = 0.01
+    name: ClassVar[str] = "threshold"
+    biased: ClassVar[bool] = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "tau", _check_fraction_above_zero(self.tau, "tau"))
+        object.__setattr__(self, "max_density", check_density(self.max_density, "max_density"))
+
+    def k(self, n: int) -> int:
+        return num_selected(n, self.max_density)
+
+    def compress(self, x, state, key):
+        del key
+        flat = x.ravel()
+        indices = compact_indices(jnp.abs(flat) >= self.tau, self.k(flat.size), fill=flat.size)
+        return SparsePayload(_gather_padded(flat, indices), indices), state
+
+
+@dataclasses.dataclass(frozen=True)
+class DGC(_SparseBase):
+    """Deep Gradient Compression's selection (Lin et al., "Deep Gradient Compression:
+    Reducing the Communication Bandwidth for Distributed Training", ICLR 2018, §3.1 and
+    Appendix "sampling to reduce top-k selection time").
+
+    DGC avoids a full Top-k: it samples ``m = max(1, ceil(sample_ratio n))`` entries (with
+    replacement, a fresh sample per worker and step), takes the threshold ``t`` as the
+    ``s``-th largest sampled magnitude (``s = ceil(density m)``), and — where too many or
+    too few entries pass — corrects ``t`` in at most ``rounds`` adjustment rounds: each
+    counts the passing entries ``c`` (one pass over the leaf) and stops once ``c`` lies in
+    ``[k, C]`` with ``C = ceil((1 + tolerance) k)``; otherwise ``t`` doubles (``c > C``) or
+    halves (``c < k``) until a too-low and a too-high threshold are known, then
+    interpolates between them linearly in ``(log t, log c)`` towards ``c = sqrt(k C)``.
+    Passing entries are compacted into ``C`` slots (beyond ``C``: ignored, in index order)
+    and, as DGC does when more than ``k`` pass, the exact top-``k`` of these candidates is
+    sent.
+
+    The selection equals exact Top-k (up to ties) whenever the final count lies in
+    ``[k, C]``; with fewer than ``k`` passing entries the payload is padded (index ``n``,
+    value ``0``). Zeros and NaNs are never selected. Biased: use error feedback (DGC adds
+    momentum correction and clipping on top; those belong to the optimizer, not here).
+
+    Payload: ``k = max(1, floor(density n))`` values (leaf dtype) + ``k`` int32 indices,
+    ``k (itemsize + 4)`` bytes per worker; exchanged by all-gather + scatter-add.
+
+    Attributes:
+      density: fraction of entries sent, in (0, 1].
+      sample_ratio: fraction of entries sampled, in (0, 1] (the paper uses 0.1 %–1 %).
+      rounds: number of threshold adjustment rounds, ``>= 0``.
+      tolerance: slack of the candidate capacity above ``k``, ``> 0``.
+    """
+
+    density: float = 0.01
+    sample_ratio: float = 0.01
+    rounds: int = 4
+    tolerance: float = 0.25
+    name: ClassVar[str] = "dgc"
+    biased: ClassVar[bool] = True
+    randomness: ClassVar[str] = "per_worker"
+
+    def __post_init__(self):
+        object.__setattr__(self, "density", check_density(self.density))
+        object.__setattr__(self, "sample_ratio", check_density(self.sample_ratio, "sample_ratio"))
+        object.__setattr__(self, "rounds", check_int(self.rounds, "rounds", 0, 100))
+        object.__setattr__(
+            self, "tolerance", _check_fraction_above_zero(self.tolerance, "tolerance")
+        )
+
+    def k(self, n: int) -> int:
+        return num_selected(n, self.density)
+
+    def capacity(self, n: int) -> int:
+        """Candidate slots ``C = min(n, ceil((1 + tolerance) k))``."""
+        return min(n, math.ceil((1.0 + self.tolerance) * self.k(n)))
+
+    def compress(self, x, state, key):
+        if key is None:
+            raise ValueError("dgc needs a PRNG key (independent per worker) for its sample.")
+        flat = x.ravel()
+        n, k, cap = flat.size, self.k(flat.size), self.capacity(flat.size)
+        magnitudes = jnp.abs(flat)
+        m = max(1, math.ceil(self.sample_ratio * n))
+        sample = magnitudes[jax.random.randint(key, (m,), 0, n, jnp.int32)]
+
+        def passing(threshold):
+            return (magnitudes >= threshold) & (magnitudes > 0)
+
+        def count(threshold):
+            return passing(threshold).sum(dtype=jnp.int32)
+
+        def off_target(carry):
+            i, _, c = carry[:3]
+            return (i < self.rounds) & ((c < k) | (c > cap))
+
+        log_target = 0.5 * (math.log(k) + math.log(cap))
+
+        def adjust(carry):
+            i, t, c, low, c_low, high, c_high = carry
+            too_many = c > cap  # else too few
+            low, c_low = jnp.where(too_many, t, low), jnp.where(too_many, c, c_low)
+            high, c_high = jnp.where(too_many, high, t), jnp.where(too_many, c_high, c)
+            bracketed = (low > 0) & jnp.isfinite(high)
+            # Bracketed: interpolate log(count) linearly in log(threshold) (exact for
+            # power-law tails); with no entry above `high`, bisect geometrically.
+            lc_low, lc_high = (
+                jnp.log(c_low.astype(jnp.float32)),
+                jnp.log(c_high.astype(jnp.float32)),
+            )
+            frac = (lc_low - log_target) / jnp.where(c_high > 0, lc_low - lc_high, 1.0)
+            log_t = jnp.log(low) + frac * (jnp.log(high) - jnp.log(low))
+            t = jnp.where(
+                bracketed,
+                jnp.where(c_high > 0, jnp.exp(log_t), jnp.sqrt(low * high)),
+                jnp.where(too_many, 2 * t, t / 2),  # not bracketed yet: expand
+            ).astype(t.dtype)
+            return i + 1, t, count(t), low, c_low, high, c_high
+
+        t0 = lax.top_k(sample, min(max(1, math.ceil(self.density * m)), m))[0][-1]
+        c0 = count(t0)
+        # *_like keeps the carry's varying-ness over a mapped axis equal to t0's.
+        low, high, none_yet = jnp.zeros_like(t0), jnp.full_like(t0, jnp.inf), jnp.zeros_like(c0)
+        carry = (0, t0, c0, low, none_yet, high, none_yet)
+        threshold = lax.while_loop(off_target, adjust, carry)[1]
+        slots = compact_indices(passing(threshold), cap, fill=n)
+        chosen = magnitudes.at[slots].get(mode="fill", fill_value=-1)
+        indices = _top_candidates(chosen, slots, k, n)
+        return SparsePayload(_gather_padded(flat, indices), indices), state
