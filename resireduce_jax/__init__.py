@@ -17,6 +17,7 @@ from resireduce_jax import (
     runtime,
     tree_paths,
 )
+from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from resireduce_jax.residual_reduction import ResiReduceState, resireduce
 from resireduce_jax.transforms import (
     CompressedMeanState,
@@ -31,6 +32,7 @@ __all__ = [
     "CompressedMeanState",
     "ErrorFeedbackState",
     "ResiReduceState",
+    "SkipNonFiniteState",
     "compressed_mean",
     "compressors",
     "error_feedback",
@@ -41,5 +43,6 @@ __all__ = [
     "residual_stores",
     "resireduce",
     "runtime",
+    "skip_nonfinite",
     "tree_paths",
 ]

@@ -38,12 +38,15 @@ from jax import lax
 
 from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
-from resireduce_jax.compressors.base import Compressor, check_axis_bound, dense_mean
+from resireduce_jax.compressors.base import Compressor, check_axis_bound
 from resireduce_jax.transforms import (
     DEFAULT_MIN_SIZE,
     _check_compressor,
     _check_min_size,
+    _dense_mean,
     _init_compressor_state,
+    _next_count,
+    _reduce,
     leaf_key,
 )
 from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
@@ -268,7 +271,8 @@ def resireduce(
       seed: seed of the per-step keys (compressor randomness, softmax sampling).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`ResiReduceState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`ResiReduceState`;
+      ``update`` takes an optional ``skip`` like :func:`~resireduce_jax.error_feedback`.
     """
     compressor = _check_compressor(compressor)
     min_size = _check_min_size(min_size)
@@ -308,8 +312,8 @@ def resireduce(
             compressor_state=_init_compressor_state(compressor, params, min_size),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, skip=None, **extra_args):
+        del params, extra_args
         check_axis_bound(axis_name)
         plans = plan_stores(updates, **options)
         leaves, treedef = jax.tree.flatten(updates)
@@ -320,7 +324,7 @@ def resireduce(
 
         def exchange(i, compensated):
             key = leaf_key(seed, state.count, i, compressor, axis_name)
-            reduced = compressor.reduce(compensated, cstates[i], key, axis_name)
+            reduced = _reduce(compressor, compensated, cstates[i], key, axis_name, skip)
             out[i] = reduced.mean
             new_cstates[i] = reduced.state
             return reduced.residual
@@ -330,27 +334,32 @@ def resireduce(
             stored = state.residuals[plan.group.label]
             if plan.shared:
                 residual = _update_shared(plan, stored, leaves, exchange, previous_group)
+                if skip is not None:  # the members' residuals all equal R, but their mean
+                    residual = jnp.where(skip, stored, residual)  # may round differently
                 new_residuals[plan.group.label] = previous_group = residual
                 continue
             (i,) = plan.group.members
             r = exchange(i, stores.compensate(plan, stored, leaves[i]))
-            if plan.kind == "leaf":
+            if plan.kind == "leaf":  # a skipped step returns r = G~ = R exactly
                 new_residuals[plan.group.label] = r.astype(plan.dtype)
             else:
                 key = _selection_key(seed, state.count, i, axis_name, plan)
-                new_residuals[plan.group.label] = stores.compress_residual(plan, r, key)
+                kept = stores.compress_residual(plan, r, key)
+                if skip is not None:  # re-selecting from R could pick other rows on ties
+                    kept = jax.tree.map(lambda new, old: jnp.where(skip, old, new), kept, stored)
+                new_residuals[plan.group.label] = kept
 
         for i, g in enumerate(leaves):
             if out[i] is None:  # not compressed: dense mean, no residual
-                out[i] = dense_mean(g, axis_name)
+                out[i] = _dense_mean(g, axis_name, skip)
         new_state = ResiReduceState(
-            count=optax.safe_int32_increment(state.count),
+            count=_next_count(state.count, skip),
             residuals=new_residuals,
             compressor_state=treedef.unflatten(new_cstates),
         )
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _selection_key(seed, count, leaf_index, axis_name, plan):

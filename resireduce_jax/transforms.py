@@ -91,6 +91,23 @@ def leaf_key(
     return key
 
 
+def _reduce(compressor: Compressor, x, cstate, key, axis_name, skip):
+    """``compressor.reduce``, passing ``skip`` only when a step may be skipped."""
+    if skip is None:
+        return compressor.reduce(x, cstate, key, axis_name)
+    return compressor.reduce(x, cstate, key, axis_name, skip=skip)
+
+
+def _dense_mean(g, axis_name, skip):
+    mean = dense_mean(g, axis_name)
+    return mean if skip is None else jnp.where(skip, jnp.zeros((), mean.dtype), mean)
+
+
+def _next_count(count, skip):
+    new = optax.safe_int32_increment(count)
+    return new if skip is None else jnp.where(skip, count, new)
+
+
 def _check_min_size(min_size: int) -> int:
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}.")
@@ -145,7 +162,9 @@ def compressed_mean(
       seed: seed of the per-step keys of randomized compressors.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`CompressedMeanState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`CompressedMeanState`. ``update`` takes an optional ``skip`` (see
+      :func:`resireduce_jax.skip_nonfinite`).
     """
     compressor = _check_compressor(compressor)
     min_size = _check_min_size(min_size)
@@ -157,28 +176,28 @@ def compressed_mean(
             compressor_state=_init_compressor_state(compressor, params, min_size),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, skip=None, **extra_args):
+        del params, extra_args
         check_axis_bound(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         cstates = _flatten_like(treedef, state.compressor_state)
         out, new_cstates = [], []
         for i, (g, cs) in enumerate(zip(leaves, cstates, strict=True)):
             if isinstance(cs, optax.MaskedNode):
-                out.append(dense_mean(g, axis_name))
+                out.append(_dense_mean(g, axis_name, skip))
                 new_cstates.append(cs)
                 continue
             key = leaf_key(seed, state.count, i, compressor, axis_name)
-            reduced = compressor.reduce(g, cs, key, axis_name)
+            reduced = _reduce(compressor, g, cs, key, axis_name, skip)
             out.append(reduced.mean)
             new_cstates.append(reduced.state)
         new_state = CompressedMeanState(
-            count=optax.safe_int32_increment(state.count),
+            count=_next_count(state.count, skip),
             compressor_state=treedef.unflatten(new_cstates),
         )
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def error_feedback(
@@ -208,7 +227,11 @@ def error_feedback(
       seed: seed of the per-step keys of randomized compressors.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is an :class:`ErrorFeedbackState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is an
+      :class:`ErrorFeedbackState`. ``update`` takes an optional ``skip``: a boolean scalar,
+      equal on all workers, that skips the step exactly (zero output, state unchanged); it
+      expects the gradients of a skipped step to be ``-0.0`` (see
+      :func:`resireduce_jax.skip_nonfinite`, which passes both).
     """
     compressor = _check_compressor(compressor)
     min_size = _check_min_size(min_size)
@@ -227,8 +250,8 @@ def error_feedback(
             compressor_state=_init_compressor_state(compressor, params, min_size),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, skip=None, **extra_args):
+        del params, extra_args
         check_axis_bound(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         residuals = _flatten_like(treedef, state.residuals)
@@ -236,20 +259,20 @@ def error_feedback(
         out, new_residuals, new_cstates = [], [], []
         for i, (g, r, cs) in enumerate(zip(leaves, residuals, cstates, strict=True)):
             if isinstance(r, optax.MaskedNode):
-                out.append(dense_mean(g, axis_name))
+                out.append(_dense_mean(g, axis_name, skip))
                 new_residuals.append(r)
                 new_cstates.append(cs)
                 continue
             key = leaf_key(seed, state.count, i, compressor, axis_name)
-            reduced = compressor.reduce(g + r.astype(g.dtype), cs, key, axis_name)
+            reduced = _reduce(compressor, g + r.astype(g.dtype), cs, key, axis_name, skip)
             out.append(reduced.mean)
             new_residuals.append(reduced.residual.astype(r.dtype))
             new_cstates.append(reduced.state)
         new_state = ErrorFeedbackState(
-            count=optax.safe_int32_increment(state.count),
+            count=_next_count(state.count, skip),
             residuals=treedef.unflatten(new_residuals),
             compressor_state=treedef.unflatten(new_cstates),
         )
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
