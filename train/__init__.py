@@ -1,0 +1,1 @@
+"""The training program: configs, input pipeline, models, loop, checkpoints and metrics."""

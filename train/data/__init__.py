@@ -1,0 +1,1 @@
+"""Building blocks of the training input pipeline; :mod:`train.input_pipeline` assembles them."""
