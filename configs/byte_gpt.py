@@ -1,0 +1,31 @@
+"""Byte-level GPT-2 on CPython's pydoc topics (embedded text), 8 simulated workers.
+
+python -m train --config configs/byte_gpt.py --workdir /tmp/rr_bytes
+"""
+
+from train.config_schema import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.name = "byte_gpt"
+    c.dataset = {"name": "pydoc_text", "context_length": 128}
+    c.num_workers = 8
+    c.batch_size_per_worker = 8
+    c.num_steps = 400
+    c.optimizer.name = "adamw"
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.95}
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.max_grad_norm = 1.0
+    c.schedule.name = "warmup_cosine"
+    c.schedule.warmup_epochs = 0.05
+    c.schedule.end_factor = 0.1
+    c.compression.variant = "w+2d"
+    c.compression.density = 0.01
+    c.compression.grouping = "auto"
+    c.compression.max_group_size = 3
+    c.log_every = 20
+    c.eval_every = 200
+    c.checkpoint_every = 200
+    return c

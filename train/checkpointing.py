@@ -1,0 +1,165 @@
+"""Checkpoints with orbax: the whole train state, per-worker residuals included.
+
+A checkpoint holds ``{"step", "params", "opt_state", "model_state"}`` as global arrays
+(per-worker optimizer-state leaves — residuals — keep their leading worker axis) plus a
+JSON record of how it was written (number of workers, which leaves are per worker).
+Orbax writes into a temporary directory and renames it when complete, so a checkpoint
+interrupted mid-write (SIGKILL, node failure) is never listed as restorable.
+
+Changing the number of workers between runs (``on_worker_change``):
+
+* ``"error"`` (default): refuse, saying how many workers wrote the checkpoint.
+* ``"average"``: give every new worker the mean of the old workers' per-worker leaves
+  (residuals). The next update applies ``mean_w R_w``, the part of the gradient that the
+  old workers still owed, so that pending global update is preserved exactly; how it is
+  split across workers is lost. Logged as a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpointer", "WorkerCountMismatch"]
+
+
+class WorkerCountMismatch(ValueError):
+    """A checkpoint written with a different number of workers, and policy ``"error"``."""
+
+
+def _is_per_worker(spec: Any) -> bool:
+    return isinstance(spec, P) and spec != P()
+
+
+class Checkpointer:
+    """Saves and restores train states in ``directory`` (one sub-directory per step)."""
+
+    def __init__(self, directory: str, *, keep: int, num_workers: int, on_worker_change: str):
+        self.directory = os.path.abspath(directory)
+        self.num_workers = num_workers
+        self.on_worker_change = on_worker_change
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ValueError(f"Checkpoint path {self.directory} exists and is not a directory.")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None``."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: PyTree, state_specs: PyTree, *, wait: bool = False) -> None:
+        """Writes ``state`` at ``step`` (asynchronously unless ``wait``)."""
+        per_worker = [
+            jax.tree_util.keystr(path)
+            for path, spec in jax.tree_util.tree_flatten_with_path(
+                state_specs, is_leaf=lambda x: isinstance(x, P)
+            )[0]
+            if _is_per_worker(spec)
+        ]
+        meta = {"num_workers": self.num_workers, "step": int(step), "per_worker": per_worker}
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        if wait:
+            self._manager.wait_until_finished()
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, like: PyTree, state_specs: PyTree, mesh) -> PyTree:
+        """Restores the checkpoint of ``step`` into arrays laid out like ``like``.
+
+        Args:
+          step: which checkpoint.
+          like: the live train state (or matching ``ShapeDtypeStruct``s with shardings).
+          state_specs: PartitionSpecs of ``like["opt_state"]`` (per-worker leaves ``P(axis)``).
+          mesh: the current mesh.
+
+        Raises:
+          WorkerCountMismatch: written by another number of workers, policy ``"error"``.
+          ValueError: the checkpoint is unreadable or does not match this model/optimizer.
+        """
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as e:
+            raise ValueError(
+                f"Checkpoint {step} in {self.directory} is unreadable ({type(e).__name__}: {e}). "
+                "Delete that step's directory to resume from an older one, or start a new workdir."
+            ) from e
+        old_workers = int(meta["num_workers"])
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+        )
+        opt_specs = state_specs
+        if old_workers != self.num_workers:
+            if self.on_worker_change != "average":
+                raise WorkerCountMismatch(
+                    f"Checkpoint {step} in {self.directory} was written by {old_workers} workers; "
+                    f"this run has {self.num_workers}. Per-worker error-feedback residuals cannot "
+                    f"be mapped 1:1. Run with num_workers={old_workers}, or set "
+                    "--config.on_worker_change=average to give every worker the old workers' "
+                    "mean residual (the pending global update is kept)."
+                )
+            log.warning(
+                "Checkpoint %d was written by %d workers, this run has %d: per-worker state "
+                "(residuals) is replaced by its mean over the old workers.",
+                step,
+                old_workers,
+                self.num_workers,
+            )
+            replicated = NamedSharding(mesh, P())
+            abstract["opt_state"] = jax.tree.map(
+                lambda a, s: (
+                    jax.ShapeDtypeStruct((old_workers, *a.shape[1:]), a.dtype, sharding=replicated)
+                    if _is_per_worker(s)
+                    else a
+                ),
+                abstract["opt_state"],
+                opt_specs,
+            )
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )["state"]
+        except Exception as e:
+            raise ValueError(
+                f"Checkpoint {step} in {self.directory} does not match this run's model, "
+                f"optimizer or compression settings ({type(e).__name__}: {e}). Use the same "
+                "config as the run that wrote it, or a new workdir."
+            ) from e
+        if old_workers != self.num_workers:
+            restored["opt_state"] = jax.tree.map(
+                lambda x, s: self._redistribute(x, mesh, s) if _is_per_worker(s) else x,
+                restored["opt_state"],
+                opt_specs,
+            )
+        return restored
+
+    def _redistribute(self, x: jax.Array, mesh, spec: P) -> jax.Array:
+        mean = jnp.mean(x.astype(jnp.promote_types(x.dtype, jnp.float32)), axis=0).astype(x.dtype)
+        stacked = np.broadcast_to(np.asarray(mean), (self.num_workers, *mean.shape))
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(stacked.shape, sharding, lambda index: stacked[index])
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,210 @@
+"""The training configuration: every key with its default, and validation before compiling.
+
+Config files in ``configs/`` start from :func:`base_config` and change what their
+experiment needs (flax-examples style ``get_config()``). Command-line overrides such as
+``--config.compression.density=0.001`` are applied by ``ml_collections`` (which rejects
+keys that do not exist); :func:`validate` then checks names and ranges, so a typo or an
+invalid value fails in a second with the valid choices listed, before any data is loaded
+or anything is compiled.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+__all__ = ["VARIANTS", "base_config", "parse_variant", "validate"]
+
+# Residual variant -> (inter, intra) of resireduce_jax.resireduce; see parse_variant.
+VARIANTS = ("dense", "none", "ef", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
+SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All keys the training program understands, with defaults (the embedded digits job)."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.num_workers = 8
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "digits_mlp"
+    c.model.overrides = ml_collections.ConfigDict()  # free-form, forwarded to models.get_model
+
+    # Free-form: `name` plus the fields that dataset takes (train/input_pipeline.py).
+    c.dataset = ml_collections.ConfigDict({"name": "digits"})
+
+    c.batch_size_per_worker = 16
+    c.num_steps = config_dict.placeholder(int)  # exactly one of num_steps / num_epochs
+    c.num_epochs = config_dict.placeholder(float)
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "sgd"  # any optax optimizer, or adamw_r / adan_r / lion_r
+    c.optimizer.learning_rate = 0.1
+    c.optimizer.kwargs = ml_collections.ConfigDict({"momentum": 0.9})
+    c.optimizer.weight_decay = 0.0  # decoupled for *w optimizers, L2 added otherwise
+    c.optimizer.max_grad_norm = config_dict.placeholder(float)
+
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.name = "warmup_piecewise"
+    c.schedule.warmup_epochs = 0.0
+    c.schedule.boundaries_epochs = ()  # decay points for warmup_piecewise
+    c.schedule.decay_factor = 0.1
+    c.schedule.end_factor = 0.0  # final lr / peak lr for warmup_cosine
+
+    c.compression = ml_collections.ConfigDict()
+    c.compression.variant = "w+2d"
+    c.compression.compressor = "topk"
+    c.compression.density = 0.01  # for sparsifying compressors
+    c.compression.options = ml_collections.ConfigDict()  # other compressor arguments
+    c.compression.min_size = 10_000
+    c.compression.residual_dtype = ""  # "" = the leaf dtype; e.g. "bfloat16"
+    c.compression.grouping = "auto"  # "auto" or "regex"
+    c.compression.max_group_size = 3  # for "auto"; 0 = unlimited
+    c.compression.rules = ()  # for "regex": ((pattern, label template), ...)
+    c.compression.intra_layers = "auto"  # "auto" or a regex on leaf paths
+    c.compression.row_ratio = config_dict.placeholder(float)
+    c.compression.col_ratio = 0.5
+    c.compression.selection = "top"
+    c.compression.weight_source = "residual"
+    c.compression.phi = 0.5
+    c.compression.nonfinite = "skip"  # "skip" or "raise"
+
+    c.remat = ml_collections.ConfigDict()
+    c.remat.budget = config_dict.placeholder(float)  # bytes (> 1) or fraction of no-remat peak
+
+    c.log_every = 10
+    c.eval_every = 100
+    c.checkpoint_every = 100
+    c.keep_checkpoints = 3
+    c.on_worker_change = "error"  # or "average": see train/checkpointing.py
+
+    c.residual_analysis = ml_collections.ConfigDict()
+    c.residual_analysis.layers = ""  # regex on leaf paths; "" disables
+    c.residual_analysis.every = 0  # steps between snapshots; 0 = only at the end
+    c.residual_analysis.bins = 101
+    return c
+
+
+def parse_variant(variant: str) -> tuple[str, str]:
+    """``"w+2d"`` -> ``("weighted", "2d")``; ``"ef"`` -> ``("none", "none")``."""
+    inter_names = {"a": "average", "w": "weighted"}
+    intra_names = {"d": "rows", "2d": "2d"}
+    if variant == "ef":
+        return "none", "none"
+    inter, intra = "none", "none"
+    for part in variant.split("+"):
+        if part in inter_names:
+            inter = inter_names[part]
+        elif part in intra_names:
+            intra = intra_names[part]
+        else:
+            raise ValueError(f"unknown residual variant {variant!r}")
+    return inter, intra
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _known_keys(
+    reference: ml_collections.ConfigDict, config: ml_collections.ConfigDict, prefix: str
+):
+    free_form = {"dataset", "model.overrides", "optimizer.kwargs", "compression.options"}
+    for key in config:
+        path = f"{prefix}{key}"
+        if key not in reference:
+            raise ValueError(
+                f"Unknown config key '{path}'. Valid keys here: {sorted(reference.keys())}."
+            )
+        value, ref = config[key], reference[key]
+        if isinstance(ref, ml_collections.ConfigDict) and path not in free_form:
+            _check(isinstance(value, ml_collections.ConfigDict), f"'{path}' must be a section.")
+            _known_keys(ref, value, path + ".")
+
+
+def validate(config: ml_collections.ConfigDict, *, known_models=None, known_datasets=None) -> None:
+    """Raises ValueError naming the key, the bad value and the valid choices."""
+    _known_keys(base_config(), config, "")
+    c = config
+    _check(isinstance(c.num_workers, int) and c.num_workers >= 1, "num_workers must be >= 1.")
+    _check(c.batch_size_per_worker >= 1, "batch_size_per_worker must be >= 1.")
+    _check(
+        (c.num_steps is None) != (c.num_epochs is None),
+        "Set exactly one of num_steps and num_epochs "
+        f"(got num_steps={c.num_steps}, num_epochs={c.num_epochs}).",
+    )
+    if c.num_steps is not None:
+        _check(c.num_steps >= 1, f"num_steps must be >= 1, got {c.num_steps}.")
+    else:
+        _check(c.num_epochs > 0, f"num_epochs must be > 0, got {c.num_epochs}.")
+    if known_models is not None:
+        _check(
+            c.model.name in known_models,
+            f"model.name={c.model.name!r} is unknown; choose one of {sorted(known_models)}.",
+        )
+    if known_datasets is not None:
+        _check(
+            c.dataset.name in known_datasets,
+            f"dataset.name={c.dataset.name!r} is unknown; choose one of {sorted(known_datasets)}.",
+        )
+
+    comp = c.compression
+    _check(
+        comp.variant in VARIANTS,
+        f"compression.variant={comp.variant!r}; choose one of {list(VARIANTS)}.",
+    )
+    _check(
+        comp.grouping in ("auto", "regex"),
+        f"compression.grouping={comp.grouping!r}; choose 'auto' or 'regex'.",
+    )
+    if comp.grouping == "regex":
+        _check(len(comp.rules) > 0, "compression.grouping='regex' needs compression.rules.")
+    for rule in comp.rules:
+        _check(
+            isinstance(rule, tuple | list) and len(rule) == 2,
+            f"compression.rules entries are (pattern, label template) pairs, got {rule!r}.",
+        )
+        try:
+            re.compile(rule[0])
+        except re.error as e:
+            raise ValueError(f"compression.rules pattern {rule[0]!r} is invalid: {e}.") from None
+    _check(comp.max_group_size >= 0, "compression.max_group_size must be >= 0 (0 = unlimited).")
+    _check(
+        comp.residual_dtype in ("", "float32", "bfloat16", "float16"),
+        f"compression.residual_dtype={comp.residual_dtype!r}; choose '', 'float32', "
+        "'bfloat16' or 'float16'.",
+    )
+    _check(
+        comp.nonfinite in ("skip", "raise"),
+        f"compression.nonfinite={comp.nonfinite!r}; choose 'skip' or 'raise'.",
+    )
+    _check(
+        c.on_worker_change in ("error", "average"),
+        f"on_worker_change={c.on_worker_change!r}; choose 'error' or 'average'.",
+    )
+    _check(
+        c.schedule.name in SCHEDULES,
+        f"schedule.name={c.schedule.name!r}; choose one of {list(SCHEDULES)}.",
+    )
+    _check(
+        c.optimizer.learning_rate > 0,
+        f"optimizer.learning_rate must be > 0, got {c.optimizer.learning_rate}.",
+    )
+    _check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0.")
+    for name in ("log_every", "eval_every", "checkpoint_every"):
+        _check(c[name] >= 1, f"{name} must be >= 1, got {c[name]}.")
+    if c.remat.budget is not None:
+        _check(
+            c.remat.budget > 0,
+            f"remat.budget must be > 0 (bytes, or a fraction <= 1), got {c.remat.budget}.",
+        )
+    _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
+
+
+def free_form(section: ml_collections.ConfigDict) -> dict[str, Any]:
+    """A free-form section (model.overrides, optimizer.kwargs, ...) as a plain dict."""
+    return section.to_dict() if isinstance(section, ml_collections.ConfigDict) else dict(section)

@@ -1,0 +1,72 @@
+"""Starting ``jax.distributed`` from flags, environment variables or SLURM.
+
+Order of precedence: explicit arguments (the ``--coordinator_address``,
+``--num_processes``, ``--process_id`` flags), then ``RR_COORDINATOR_ADDRESS``,
+``RR_NUM_PROCESSES``, ``RR_PROCESS_ID``, then a SLURM job with more than one task (JAX
+detects SLURM itself). With none of these the run is single-process.
+
+Each process feeds its own contiguous slice of every global batch
+(:func:`resireduce_jax.parallel.shard_batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["ProcessSetup", "resolve", "start"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSetup:
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int
+    from_slurm: bool = False
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
+
+
+def resolve(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    environ: dict[str, str] | None = None,
+) -> ProcessSetup:
+    """Works out the process layout without starting anything (testable)."""
+    env = os.environ if environ is None else environ
+    address = coordinator_address or env.get("RR_COORDINATOR_ADDRESS")
+    n = num_processes if num_processes is not None else env.get("RR_NUM_PROCESSES")
+    pid = process_id if process_id is not None else env.get("RR_PROCESS_ID")
+    if address or n is not None or pid is not None:
+        if not (address and n is not None and pid is not None):
+            raise ValueError(
+                "Multi-process runs need all three of coordinator address, number of processes "
+                f"and process id; got address={address!r}, num_processes={n!r}, process_id={pid!r}."
+            )
+        n, pid = int(n), int(pid)
+        if not 0 <= pid < n:
+            raise ValueError(f"process_id must be in [0, {n}), got {pid}.")
+        return ProcessSetup(address, n, pid)
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return ProcessSetup(None, int(env["SLURM_NTASKS"]), int(env.get("SLURM_PROCID", "0")), True)
+    return ProcessSetup(None, 1, 0)
+
+
+def start(setup: ProcessSetup, *, initialization_timeout_s: int = 120) -> None:
+    """Calls ``jax.distributed.initialize`` for a multi-process setup (no-op otherwise)."""
+    if not setup.multi_process:
+        return
+    import jax
+
+    if setup.from_slurm:
+        jax.distributed.initialize(initialization_timeout=initialization_timeout_s)
+    else:
+        jax.distributed.initialize(
+            coordinator_address=setup.coordinator_address,
+            num_processes=setup.num_processes,
+            process_id=setup.process_id,
+            initialization_timeout=initialization_timeout_s,
+        )

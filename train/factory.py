@@ -1,0 +1,157 @@
+"""Builds the optax chain of a run from its config: compression transform, schedule, optimizer.
+
+The chain is ``[gradient exchange] -> [optimizer]``: the exchange turns each worker's local
+gradients into the global mean (dense, compressed, error feedback or ResiReduce) and comes
+first, so the optimizer state stays replicated and only residuals are per worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import ml_collections
+import optax
+
+import resireduce_jax as rr
+from train import config_schema
+
+__all__ = [
+    "OPTIMIZERS_OF_OURS",
+    "build_compressor",
+    "build_exchange",
+    "build_grouping",
+    "build_optimizer",
+    "build_schedule",
+    "build_tx",
+]
+
+
+def _ours() -> dict[str, Any]:
+    try:
+        from resireduce_jax import optimizers
+    except ImportError:  # pragma: no cover - the optimizers module ships with the library
+        return {}
+    return {name: getattr(optimizers, name) for name in ("adamw_r", "adan_r", "lion_r")}
+
+
+OPTIMIZERS_OF_OURS = ("adamw_r", "adan_r", "lion_r")
+
+
+def build_compressor(comp: ml_collections.ConfigDict) -> rr.compressors.Compressor:
+    """The compressor named by ``compression.compressor`` with its arguments."""
+    factory = rr.compressors.REGISTRY.get(comp.compressor)
+    if factory is None:
+        raise ValueError(
+            f"compression.compressor={comp.compressor!r}; choose one of "
+            f"{sorted(rr.compressors.REGISTRY)}."
+        )
+    kwargs = config_schema.free_form(comp.options)
+    if "density" in inspect.signature(factory).parameters and "density" not in kwargs:
+        kwargs["density"] = comp.density
+    return rr.compressors.get(comp.compressor, **kwargs)
+
+
+def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
+    if comp.grouping == "regex":
+        return rr.grouping.regex([tuple(rule) for rule in comp.rules])
+    return rr.grouping.auto(comp.max_group_size or None)
+
+
+def build_exchange(
+    comp: ml_collections.ConfigDict, *, variant: str | None = None, axis_name: str = "data"
+) -> optax.GradientTransformation:
+    """The gradient-exchange transform of a residual ``variant`` (default: the config's)."""
+    variant = variant or comp.variant
+    if variant == "dense":
+        return rr.compressed_mean(rr.compressors.none(), axis_name, min_size=comp.min_size)
+    compressor = build_compressor(comp)
+    if variant == "none":
+        return rr.compressed_mean(compressor, axis_name, min_size=comp.min_size)
+    if variant == "ef":
+        return rr.error_feedback(compressor, axis_name, min_size=comp.min_size)
+    inter, intra = config_schema.parse_variant(variant)
+    return rr.resireduce(
+        compressor,
+        axis_name,
+        grouping=build_grouping(comp),
+        inter=inter,
+        intra=intra,
+        intra_layers=comp.intra_layers,
+        row_ratio=comp.row_ratio,
+        col_ratio=comp.col_ratio,
+        selection=comp.selection,
+        phi=comp.phi,
+        weight_source=comp.weight_source,
+        residual_dtype=comp.residual_dtype or None,
+        min_size=comp.min_size,
+    )
+
+
+def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, total_steps: int):
+    """Learning rate per step: linear warm-up, then constant, step decays or cosine."""
+    s, peak = config.schedule, config.optimizer.learning_rate
+    warmup = round(s.warmup_epochs * steps_per_epoch)
+    if s.name == "constant":
+        after = optax.constant_schedule(peak)
+    elif s.name == "warmup_piecewise":
+        boundaries = {
+            max(1, round(e * steps_per_epoch) - warmup): s.decay_factor for e in s.boundaries_epochs
+        }
+        after = optax.piecewise_constant_schedule(peak, boundaries)
+    else:  # warmup_cosine
+        after = optax.cosine_decay_schedule(peak, max(1, total_steps - warmup), alpha=s.end_factor)
+    if warmup == 0:
+        return after
+    ramp = optax.linear_schedule(peak / warmup, peak, warmup)
+    return optax.join_schedules([ramp, after], [warmup])
+
+
+def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.GradientTransformation:
+    """Any optax optimizer by name (``optax.<name>``) or one of ours (adamw_r, adan_r, lion_r).
+
+    ``optimizer.weight_decay`` goes to the optimizer's own ``weight_decay`` argument when
+    it has one (decoupled, AdamW-style), else it is added as L2 to the gradients before the
+    optimizer, like torch.optim.SGD's weight_decay. ``optimizer.max_grad_norm`` clips the
+    global norm of the (already averaged) gradient first.
+    """
+    o = config.optimizer
+    ours = _ours()
+    factory = ours.get(o.name) or getattr(optax, o.name, None)
+    if factory is None or not callable(factory):
+        raise ValueError(
+            f"optimizer.name={o.name!r} is neither an optax optimizer nor one of "
+            f"{list(OPTIMIZERS_OF_OURS)}."
+        )
+    kwargs = config_schema.free_form(o.kwargs)
+    params = inspect.signature(factory).parameters
+    decoupled = "weight_decay" in params
+    if decoupled:
+        kwargs.setdefault("weight_decay", o.weight_decay)
+    if o.name in ours and o.max_grad_norm is not None:
+        kwargs.setdefault("max_grad_norm", o.max_grad_norm)
+    try:
+        optimizer = factory(learning_rate=schedule, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"optimizer {o.name!r} does not accept {sorted(kwargs)}: {e}") from None
+    chain = []
+    if o.max_grad_norm is not None and o.name not in ours:
+        chain.append(optax.clip_by_global_norm(o.max_grad_norm))
+    if o.weight_decay and not decoupled:
+        chain.append(optax.add_decayed_weights(o.weight_decay))
+    return optax.chain(*chain, optimizer) if chain else optimizer
+
+
+def build_tx(
+    config: ml_collections.ConfigDict,
+    steps_per_epoch: float,
+    total_steps: int,
+    *,
+    variant: str | None = None,
+) -> optax.GradientTransformation:
+    """``chain(exchange, optimizer)`` for the config (or another residual ``variant``)."""
+    schedule = build_schedule(config, steps_per_epoch, total_steps)
+    return optax.chain(
+        build_exchange(config.compression, variant=variant),
+        build_optimizer(config, schedule),
+    )

@@ -1,0 +1,364 @@
+"""The training loop: data-parallel steps with compressed gradients, eval, checkpoints.
+
+``train_and_evaluate(config, workdir)`` runs one experiment end to end (flax-examples
+style): validate the config, build dataset, model and optax chain, print where the
+memory goes, then train with :func:`resireduce_jax.parallel.data_parallel_step`,
+evaluating every ``eval_every`` steps and checkpointing every ``checkpoint_every`` steps
+and on SIGTERM. Re-running with the same ``workdir`` resumes from the newest complete
+checkpoint and continues bit-identically: the global batch and the PRNG key of step ``t``
+are pure functions of ``(seed, t)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import threading
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+
+import resireduce_jax as rr
+from resireduce_jax import models
+from train import checkpointing, config_schema, factory, input_pipeline, residual_analysis, tasks
+from train import metrics as metrics_lib
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate"]
+
+AXIS = "data"
+# XLA:CPU aborts when too many steps with collectives are queued (DESIGN.md §6).
+MAX_QUEUED_STEPS = 8
+
+
+class Preempted(Exception):
+    """Raised internally when SIGTERM asked the run to stop after checkpointing."""
+
+
+class NonFiniteGradients(FloatingPointError):
+    """Gradients had NaN/Inf and the config says ``compression.nonfinite='raise'``."""
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What a finished (or preempted) run reports."""
+
+    step: int
+    eval: dict[str, float]
+    train: dict[str, float]
+    skipped_steps: int
+    preempted: bool
+    memory: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built from a config before training starts (no arrays allocated)."""
+
+    config: ml_collections.ConfigDict
+    dataset: Any
+    task: tasks.Task
+    mesh: Any
+    tx: optax.GradientTransformation
+    baseline_tx: optax.GradientTransformation
+    global_batch: int
+    steps_per_epoch: float
+    total_steps: int
+
+
+def build_run(config: ml_collections.ConfigDict) -> Run:
+    """Validates ``config`` and builds dataset, model, mesh and optax chain.
+
+    Every config mistake surfaces here, before anything is compiled.
+    """
+    config_schema.validate(
+        config, known_models=models.MODELS, known_datasets=input_pipeline.DATASETS
+    )
+    dataset = input_pipeline.get_dataset(config.dataset, seed=config.seed)
+    model_config = models.get_config(
+        config.model.name, **config_schema.free_form(config.model.overrides)
+    )
+    task = tasks.make_task(model_config.build(), model_config, dataset.task)
+    mesh = rr.parallel.make_mesh(config.num_workers, AXIS)
+    global_batch = config.num_workers * config.batch_size_per_worker
+    if jax.process_count() > 1 and global_batch % jax.process_count():
+        raise ValueError(
+            f"The global batch ({global_batch}) must split evenly over {jax.process_count()} "
+            "processes."
+        )
+    steps_per_epoch = dataset.num_train_examples / global_batch
+    if config.num_steps is not None:
+        total_steps = int(config.num_steps)
+    else:
+        total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    tx = factory.build_tx(config, steps_per_epoch, total_steps)
+    baseline_tx = factory.build_tx(config, steps_per_epoch, total_steps, variant="ef")
+    guard = rr.skip_nonfinite
+    return Run(
+        config=config,
+        dataset=dataset,
+        task=task,
+        mesh=mesh,
+        tx=guard(tx, AXIS),
+        baseline_tx=baseline_tx,
+        global_batch=global_batch,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+    )
+
+
+def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
+    exchange_only = factory.build_tx(run.config, run.steps_per_epoch, run.total_steps)
+    comparison = rr.memory.compare(abstract_params, exchange_only, run.baseline_tx)
+    lines = [
+        f"Model states per worker: {run.config.compression.variant} vs. plain error feedback",
+        str(comparison),
+    ]
+    if run.config.compression.variant not in ("dense", "none", "ef"):
+        grouping = factory.build_grouping(run.config.compression)
+        report = rr.grouping.report(abstract_params, grouping, run.config.compression.min_size)
+        lines += ["", "Residual groups:", str(report)]
+    figures = {
+        "baseline": comparison.baseline.as_dict(),
+        "reduced": comparison.reduced.as_dict(),
+        "saving": comparison.saving,
+    }
+    return "\n".join(lines), figures
+
+
+class _StopFlag:
+    """Set by SIGTERM; the loop checkpoints and stops at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _eval_fn(task: tasks.Task, mesh):
+    span = task.kind == "span_qa"
+
+    def body(params, model_state, batch):
+        out = task.eval_outputs(params, model_state, batch)
+        if span:
+            return out
+        return jax.tree.map(lambda x: lax.psum(x, AXIS), out)
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), P(), P(AXIS)),
+            out_specs=P(AXIS) if span else P(),
+        )
+    )
+
+
+def _local_rows(x: jax.Array) -> np.ndarray:
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def evaluate(run: Run, eval_fn, params, model_state) -> dict[str, float]:
+    """Metrics over the whole eval split (all processes take part)."""
+    totals: dict[str, float] = {}
+    pid, pcount = jax.process_index(), jax.process_count()
+    for batch in run.dataset.eval_batches(run.global_batch, pid, pcount):
+        device_batch = rr.parallel.shard_batch(batch, run.mesh, AXIS)
+        out = eval_fn(params, model_state, device_batch)
+        if run.task.kind == "span_qa":
+            start, end = _local_rows(out["start_logits"]), _local_rows(out["end_logits"])
+            sums = run.dataset.squad_metrics(start, end, batch)
+        else:
+            sums = {k: float(v) for k, v in jax.device_get(out).items()}
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    if run.task.kind == "span_qa" and pcount > 1:
+        keys = sorted(totals)
+        gathered = multihost_utils.process_allgather(np.array([totals[k] for k in keys]))
+        totals = dict(zip(keys, np.asarray(gathered).sum(0).tolist(), strict=True))
+    return tasks.Task.summarize(run.task.kind, totals)
+
+
+def _bad_leaf_path(params, index: int) -> str:
+    paths = rr.tree_paths.leaf_paths(params)
+    return paths[index] if 0 <= index < len(paths) else f"leaf #{index}"
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> RunSummary:
+    """Trains and evaluates one experiment; resumes from ``workdir`` if it has checkpoints.
+
+    Returns:
+      A :class:`RunSummary` with the final step, last eval and train metrics, the number
+      of skipped (non-finite) steps, whether SIGTERM stopped the run, and the memory report.
+    """
+    run = build_run(config)
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+    # ------------------------------------------------------------ initial state
+    init_batch = run.dataset.train_batch(0, run.global_batch, 0, jax.process_count())
+    per_worker = {k: v[: config.batch_size_per_worker] for k, v in init_batch.items()}
+    abstract = jax.eval_shape(run.task.init, jax.random.PRNGKey(config.seed), per_worker)
+    report, memory_figures = _memory_report(run, abstract["params"])
+    if is_main:
+        print(report, flush=True)
+
+    variables = jax.jit(run.task.init)(jax.random.PRNGKey(config.seed), per_worker)
+    params = variables.pop("params")
+    model_state = rr.parallel.replicated(dict(variables), run.mesh)
+    step_fn = rr.parallel.data_parallel_step(
+        run.task.loss,
+        run.tx,
+        run.mesh,
+        axis_name=AXIS,
+        has_aux=True,
+        with_model_state=True,
+        with_rng=True,
+    )
+    params, opt_state = step_fn.init(params)
+    eval_fn = _eval_fn(run.task, run.mesh)
+
+    checkpointer = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=config.keep_checkpoints,
+        num_workers=config.num_workers,
+        on_worker_change=config.on_worker_change,
+    )
+    start = 0
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        restored = checkpointer.restore(
+            latest,
+            {"params": params, "opt_state": opt_state, "model_state": model_state},
+            step_fn.state_specs,
+            run.mesh,
+        )
+        params, opt_state, model_state = (
+            restored["params"],
+            restored["opt_state"],
+            restored["model_state"],
+        )
+        start = latest
+        if is_main:
+            print(f"Resumed from checkpoint at step {latest} in {workdir}.", flush=True)
+
+    def save(step: int, wait: bool = False) -> None:
+        state = {"params": params, "opt_state": opt_state, "model_state": model_state}
+        checkpointer.save(step, state, step_fn.state_specs, wait=wait)
+
+    # ------------------------------------------------------------ training
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+    progress = metrics_lib.Progress(start, run.total_steps, enabled=is_main)
+    analysis = residual_analysis.Recorder.from_config(config.residual_analysis, workdir, is_main)
+    stop = _StopFlag()
+    stop.install()
+    base_key = jax.random.PRNGKey(config.seed + 1)
+    pid, pcount = jax.process_index(), jax.process_count()
+    raise_on_nonfinite = config.compression.nonfinite == "raise"
+    last_train: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
+    skipped_seen = int(jax.device_get(opt_state.skipped))
+    step = start
+    preempted = False
+    try:
+        while step < run.total_steps:
+            batch = rr.parallel.shard_batch(
+                run.dataset.train_batch(step, run.global_batch, pid, pcount), run.mesh, AXIS
+            )
+            rng = jax.random.fold_in(base_key, step)
+            params, opt_state, model_state, step_metrics = step_fn(
+                params, opt_state, model_state, batch, rng
+            )
+            step += 1
+            if raise_on_nonfinite and bool(jax.device_get(opt_state.last_skipped)):
+                bad = int(jax.device_get(opt_state.bad_leaf))
+                raise NonFiniteGradients(
+                    f"Non-finite gradient at step {step - 1} in leaf "
+                    f"'{_bad_leaf_path(params, bad)}' (on at least one worker); the step was "
+                    "not applied. Lower the learning rate, check the data, or set "
+                    "--config.compression.nonfinite=skip to skip such steps."
+                )
+            if step % config.log_every == 0 or step == run.total_steps:
+                last_train = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                skipped = int(jax.device_get(opt_state.skipped))
+                if skipped > skipped_seen and is_main:
+                    bad = int(jax.device_get(opt_state.bad_leaf))
+                    log.warning(
+                        "%d step(s) skipped for non-finite gradients up to step %d (last in "
+                        "leaf '%s').",
+                        skipped - skipped_seen,
+                        step,
+                        _bad_leaf_path(params, bad),
+                    )
+                skipped_seen = skipped
+                writer.write(step, "train", {**last_train, "skipped_steps": skipped})
+                progress.update(step, loss=f"{last_train['loss']:.4f}")
+            elif step % MAX_QUEUED_STEPS == 0:
+                jax.block_until_ready(step_metrics)
+            if analysis.due(step, run.total_steps):
+                analysis.record(step, opt_state, abstract["params"])
+            if step % config.eval_every == 0 or step == run.total_steps:
+                last_eval = evaluate(run, eval_fn, params, model_state)
+                writer.write(step, "eval", last_eval)
+            if step % config.checkpoint_every == 0 or step == run.total_steps:
+                save(step)
+            if stop.requested:
+                preempted = True
+                if step % config.checkpoint_every != 0 and step != run.total_steps:
+                    save(step)
+                if is_main:
+                    print(f"SIGTERM: checkpointed step {step}; exiting.", flush=True)
+                break
+    finally:
+        stop.restore()
+        progress.close()
+        checkpointer.close()
+        writer.close()
+    analysis.finish()
+    summary = RunSummary(
+        step=step,
+        eval=last_eval,
+        train=last_train,
+        skipped_steps=int(jax.device_get(opt_state.skipped)),
+        preempted=preempted,
+        memory=memory_figures,
+    )
+    if is_main and not preempted:
+        print("Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()), flush=True)
+    return summary
+
+
+def final_state(workdir: str) -> dict[str, Any]:
+    """Loads the newest checkpoint of a finished run as numpy arrays (for tests/analysis)."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    step = manager.latest_step()
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    manager.close()
+    return jax.tree.map(np.asarray, restored["state"])
