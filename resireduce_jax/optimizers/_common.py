@@ -1,0 +1,185 @@
+"""Pieces the three gradient-space-reutilization optimizers share.
+
+Argument checks with errors that say how to fix the call, resolution of float-or-schedule
+hyper-parameters, the weight-decay mask and the global gradient norm used by the
+folded-in clipping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+ScalarOrSchedule = float | Callable[[jax.Array], jax.typing.ArrayLike]
+MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
+
+__all__ = [
+    "MaskOrFn",
+    "ScalarOrSchedule",
+    "check_beta",
+    "check_max_grad_norm",
+    "check_non_negative",
+    "clip_factor",
+    "decay_flags",
+    "descend",
+    "global_norm",
+    "is_zero_constant",
+    "scalar_as",
+    "value_at",
+]
+
+
+def _as_float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"{name} must be a real number, got {value!r} of type {type(value).__name__}."
+        ) from err
+
+
+def check_beta(name: str, value: Any, *, positive: bool = False, why: str = "") -> None:
+    """Raises ``ValueError`` unless ``0 <= value < 1`` (``0 < value < 1`` if ``positive``)."""
+    beta = _as_float(name, value)
+    low_ok = beta > 0.0 if positive else beta >= 0.0
+    if not (low_ok and beta < 1.0) or math.isnan(beta):
+        interval = "(0, 1)" if positive else "[0, 1)"
+        reason = f" {why}" if why else ""
+        raise ValueError(
+            f"{name} must lie in {interval}, got {beta}.{reason} Exponential-average "
+            "coefficients are decay factors: typical values are 0.9 to 0.999."
+        )
+
+
+def check_non_negative(name: str, value: Any) -> None:
+    """Raises ``ValueError`` for a negative (or NaN) constant; schedules are not checked."""
+    if callable(value):
+        return
+    number = _as_float(name, value)
+    if not number >= 0.0:
+        raise ValueError(
+            f"{name} must be >= 0, got {number}. The optimizer already steps against the "
+            "gradient, so pass the magnitude; use a schedule for values that change."
+        )
+
+
+def check_max_grad_norm(value: Any) -> float | None:
+    """Validates ``max_grad_norm``: ``None`` disables clipping, otherwise it must be > 0."""
+    if value is None:
+        return None
+    number = _as_float("max_grad_norm", value)
+    if not number > 0.0:
+        raise ValueError(
+            f"max_grad_norm must be > 0, got {number}. Pass max_grad_norm=None to disable "
+            "gradient clipping."
+        )
+    return number
+
+
+def is_zero_constant(value: ScalarOrSchedule) -> bool:
+    """Whether ``value`` is the constant zero (such weight decay is skipped, as optax does)."""
+    return not callable(value) and isinstance(value, (int, float)) and value == 0
+
+
+def value_at(value: ScalarOrSchedule, count: jax.Array) -> jax.typing.ArrayLike:
+    """``value(count)`` for a schedule, ``value`` itself for a constant."""
+    return value(count) if callable(value) else value
+
+
+def decay_flags(mask: MaskOrFn, params: PyTree) -> PyTree:
+    """A pytree of Python bools with the structure of ``params``: True where decay applies.
+
+    Args:
+      mask: ``None`` (decay everything), a pytree of bools with the structure of
+        ``params`` or a prefix of it (a bool then covers a whole subtree), or a callable
+        returning such a pytree given ``params``. Leaves must be concrete booleans.
+      params: the parameters.
+
+    Returns:
+      One bool per leaf of ``params``.
+    """
+    if mask is None:
+        return jax.tree.map(lambda _: True, params)
+    mask_tree = mask(params) if callable(mask) else mask
+
+    def broadcast(flag: Any, subtree: PyTree) -> PyTree:
+        try:
+            flag = bool(flag)
+        except (TypeError, jax.errors.ConcretizationTypeError) as err:
+            raise ValueError(
+                "mask leaves must be concrete Python or NumPy booleans (the mask decides the "
+                f"program's structure), got {flag!r}."
+            ) from err
+        return jax.tree.map(lambda _: flag, subtree)
+
+    try:
+        return jax.tree.map(broadcast, mask_tree, params)
+    except ValueError as err:
+        if "mask leaves" in str(err):
+            raise
+        raise ValueError(
+            "mask must have the structure of params (or a prefix of it): "
+            f"{jax.tree.structure(mask_tree)} does not match {jax.tree.structure(params)}."
+        ) from err
+
+
+_NORM_CHUNK = 1 << 14  # elements per step of the CPU sum of squares
+
+
+def _sum_of_squares(x: jax.Array) -> jax.Array:
+    """``sum(x**2)`` of one leaf in float32, without a leaf-sized temporary on CPU.
+
+    XLA:CPU lowers a large reduction as a tree of ``reduce-window``s and materializes the
+    squared leaf for it: a temporary as large as the largest leaf (154 MiB for GPT-2's
+    token embedding), right at the optimizer's peak. On CPU the leaf is therefore summed
+    in chunks of ``_NORM_CHUNK`` elements in a loop (the last chunk is shifted back to
+    stay in bounds and masks what the previous one counted). Other backends fuse the
+    square into the reduction, so they get the plain sum.
+    """
+    flat = x.reshape(-1)
+    n = flat.size
+    if n <= _NORM_CHUNK or jax.default_backend() != "cpu":
+        return jnp.sum(jnp.square(flat.astype(jnp.float32)))
+
+    def add_chunk(i, total):
+        start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
+        chunk = jax.lax.dynamic_slice(flat, (start,), (_NORM_CHUNK,)).astype(jnp.float32)
+        unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
+        return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
+
+    steps = -(-n // _NORM_CHUNK)
+    return jax.lax.fori_loop(0, steps, add_chunk, jnp.zeros([], jnp.float32))
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of all leaves of ``tree`` together, as a float32 scalar."""
+    total = jnp.zeros([], jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        total = total + _sum_of_squares(leaf)
+    return jnp.sqrt(total)
+
+
+def clip_factor(g_norm: jax.Array, max_norm: float) -> jax.Array:
+    """``1`` if ``g_norm < max_norm`` else ``max_norm / g_norm``: the factor
+    ``optax.clip_by_global_norm`` applies, as one scalar so that the clipped gradient is a
+    cheap multiply XLA fuses into every consumer instead of materializing it."""
+    return jnp.where(g_norm < max_norm, jnp.ones_like(g_norm), max_norm / g_norm)
+
+
+def descend(updates: jax.Array, lr: jax.typing.ArrayLike, *, scheduled: bool) -> jax.Array:
+    """``-lr * updates``, with the exact arithmetic of ``optax.scale_by_learning_rate``
+    (a constant rate multiplies as a Python scalar, a scheduled one as an array of the
+    update's dtype), so that results stay bit-identical to optax's."""
+    if scheduled:
+        return jnp.array(-1 * lr, dtype=updates.dtype) * updates
+    return -1 * lr * updates
+
+
+def scalar_as(value: jax.typing.ArrayLike, like: jax.Array) -> jax.Array:
+    """``value`` as a 0-d array of ``like``'s dtype, so low-precision leaves stay low-precision."""
+    return jnp.asarray(value).astype(like.dtype)

@@ -1,0 +1,178 @@
+"""AdamW-R: AdamW with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.1).
+
+In PyTorch, AdamW-R writes the denominator ``sqrt(v̂) + ε`` into the gradient buffer,
+which is dead by then, instead of allocating a parameter-sized temporary. In a jitted
+JAX step XLA fuses such element-wise temporaries on its own; what decides whether the
+compiled step needs an extra parameter-sized buffer is **write order and aliasing**:
+with parameters and optimizer state donated, XLA writes every new moment into the
+buffer of the old one, and it must insert a full ``copy`` if any other fusion still
+reads the old value afterwards. AdamW-R therefore computes, per leaf, in one pass:
+
+1. ``m ← β1·m + (1−β1)·g`` and ``v ← β2·v + (1−β2)·g²`` (each old moment is read only by
+   the fusion that overwrites it),
+2. the update from the *new* moments only: ``u = −lr·(m̂/(√(v̂+ε_root)+ε) + λ·p)``,
+
+which is the order ``optax.adamw`` also uses, so the two are bit-identical (the tests
+check 200 steps in float32 and bfloat16). Two things are added beyond ``optax.adamw``:
+a single optimizer state (one step counter for bias correction and the schedules) and
+optional gradient clipping by global norm folded into the same per-leaf pass
+(``max_grad_norm``), bit-identical to
+``optax.chain(optax.clip_by_global_norm(c), optax.adamw(...))``.
+
+Aliasing in an optimizer-only step: ``jax.jit(step, donate_argnums=(0, 1, 2))`` with the
+argument order ``step(params, opt_state, grads)``; JAX pairs donated inputs with outputs
+of the same shape and dtype first come, first served, so this order lets every new
+moment take its old buffer (see :func:`resireduce_jax.optimizers.optimizer_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from resireduce_jax.optimizers._common import (
+    MaskOrFn,
+    ScalarOrSchedule,
+    check_beta,
+    check_max_grad_norm,
+    check_non_negative,
+    clip_factor,
+    decay_flags,
+    descend,
+    global_norm,
+    is_zero_constant,
+    scalar_as,
+    value_at,
+)
+
+__all__ = ["AdamWRState", "adamw_r"]
+
+
+class AdamWRState(NamedTuple):
+    """State of :func:`adamw_r`.
+
+    Attributes:
+      count: number of steps taken (int32); drives bias correction and schedules.
+      mu: first moment (exponential average of gradients), like ``params``.
+      nu: second moment (exponential average of squared gradients), like ``params``.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def adamw_r(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: MaskOrFn = None,
+    *,
+    nesterov: bool = False,
+    max_grad_norm: float | None = None,
+) -> optax.GradientTransformation:
+    r"""AdamW with gradient-space reutilization (AdamW-R), bit-identical to ``optax.adamw``.
+
+    Per leaf, with :math:`t` the 1-based step and :math:`g` the (optionally clipped)
+    gradient:
+
+    .. math::
+        m_t = β_1 m_{t-1} + (1-β_1) g,\quad v_t = β_2 v_{t-1} + (1-β_2) g^2,\\
+        u_t = -η_t \Big(\frac{m_t/(1-β_1^t)}{\sqrt{v_t/(1-β_2^t) + ε_{root}} + ε}
+              + λ_t\, p\Big).
+
+    Args:
+      learning_rate: η, a float or an optax schedule of the step count (0-based).
+      b1: β1, decay of the first moment, in [0, 1).
+      b2: β2, decay of the second moment, in [0, 1).
+      eps: ε added to the root of the second moment.
+      eps_root: ε added inside the root.
+      mu_dtype: storage dtype of the first moment (``None``: like the gradient).
+      weight_decay: λ, decoupled weight decay (float or schedule), >= 0.
+      mask: which leaves are decayed: ``None`` (all), a pytree of bools with the
+        structure of the params (or a prefix of it), or a callable of the params
+        returning one. As in ``optax.adamw``.
+      nesterov: use Nesterov momentum (NAdamW), as ``optax.adamw(nesterov=True)``.
+      max_grad_norm: if set, gradients are first clipped to this global L2 norm exactly
+        as ``optax.clip_by_global_norm`` does, inside the same per-leaf pass.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`AdamWRState`.
+
+    Raises:
+      ValueError: for betas outside [0, 1), negative eps, learning rate or weight decay,
+        or a non-positive ``max_grad_norm``.
+
+    References:
+      Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
+      Reutilization", PRCV 2024, §3.1 (AdamW-R, Algorithm 1).
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+    """
+    check_beta("b1", b1)
+    check_beta("b2", b2)
+    check_non_negative("eps", eps)
+    check_non_negative("eps_root", eps_root)
+    check_non_negative("learning_rate", learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    clip_norm = check_max_grad_norm(max_grad_norm)
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    skip_decay = is_zero_constant(weight_decay)
+
+    def init_fn(params: optax.Params) -> AdamWRState:
+        return AdamWRState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree.zeros_like(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: AdamWRState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, AdamWRState]:
+        if params is None:
+            raise ValueError(
+                "adamw_r needs the parameters for weight decay: call "
+                "tx.update(grads, opt_state, params)."
+            )
+        count_inc = optax.safe_increment(state.count)
+        bias1 = 1 - b1**count_inc
+        bias2 = 1 - b2**count_inc
+        bias1_next = 1 - b1 ** optax.safe_increment(count_inc) if nesterov else None
+        decay = value_at(weight_decay, state.count)
+        lr = value_at(learning_rate, state.count)
+        flags = decay_flags(mask, params)
+        if clip_norm is not None:
+            factor = clip_factor(global_norm(updates), clip_norm)
+
+        def leaf(g, mu, nu, p, decayed):
+            if clip_norm is not None:
+                g = g * scalar_as(factor, g)
+            mu_new = (1 - b1) * g + b1 * mu
+            nu_new = (1 - b2) * (g * g) + b2 * nu
+            if nesterov:
+                mu_hat = b1 * (mu_new / bias1_next.astype(mu_new.dtype)) + (1 - b1) * (
+                    g / bias1.astype(g.dtype)
+                )
+            else:
+                mu_hat = mu_new / bias1.astype(mu_new.dtype)
+            nu_hat = nu_new / bias2.astype(nu_new.dtype)
+            u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+            if decayed and not skip_decay:
+                u = u + decay * p
+            u = descend(u, lr, scheduled=callable(learning_rate))
+            if mu_dtype is not None:
+                mu_new = mu_new.astype(mu_dtype)
+            return u, mu_new, nu_new.astype(nu.dtype)
+
+        out = jax.tree.map(leaf, updates, state.mu, state.nu, params, flags)
+        treedef = jax.tree.structure(updates)
+        new_updates, mu, nu = jax.tree.transpose(treedef, jax.tree.structure((0, 0, 0)), out)
+        return new_updates, AdamWRState(count=count_inc, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)

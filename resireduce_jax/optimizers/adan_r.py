@@ -1,0 +1,253 @@
+r"""Adan-R: the official Adan with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.2).
+
+**The algorithm** is the official Adan implementation (sail-sg/Adan, ``adan.py``), whose
+betas are *decay* factors (default ``(0.98, 0.92, 0.99)``; the paper writes
+``1 − β`` for them). With :math:`k` the 1-based step and :math:`\tilde g_k` the gradient
+(times the clip factor :math:`s_k = \min(1, c/(\lVert g_k\rVert + ε))` when
+``max_grad_norm = c`` is set):
+
+.. math::
+    d_k &= \tilde g_k - \tilde g_{k-1}\quad (d_1 = 0)\\
+    m_k &= β_1 m_{k-1} + (1-β_1)\,\tilde g_k\\
+    v_k &= β_2 v_{k-1} + (1-β_2)\,d_k\\
+    n_k &= β_3 n_{k-1} + (1-β_3)\,(\tilde g_k + β_2 d_k)^2\\
+    D_k &= \sqrt{n_k}/\sqrt{1-β_3^k} + ε\qquad (ε \text{ outside the root})\\
+    Δ_k &= η_k\Big(\frac{m_k}{1-β_1^k} + \frac{β_2\, v_k}{1-β_2^k}\Big)/D_k\\
+    θ_{k+1} &= (θ_k - Δ_k)/(1 + η_k λ_k)\ \text{(prox, default)}\quad\text{or}\quad
+               θ_k(1 - η_k λ_k) - Δ_k\ \text{(no\_prox)}.
+
+``optax.adan`` differs from this from step 2 on: it uses :math:`1-β_2` where the official
+update uses :math:`β_2` (in :math:`n_k` and in :math:`Δ_k`), puts ``eps_root`` inside the
+root and decays weights additively. ``adan_r`` follows the official code; the tests
+compare it with an independent float64 NumPy transcription of it.
+
+**Memory.** Adan keeps the previous gradient. In PyTorch, Adan-R writes the
+denominator into that buffer once it is dead. In a jitted JAX step the element-wise
+temporaries are fused anyway; what costs memory is a *copy*: the new previous gradient
+is the incoming gradient itself, and if it is returned in a different buffer than the
+one it arrived in, XLA copies it (and, since the old previous gradient is still read,
+keeps a second parameter-sized buffer alive). Adan-R avoids both:
+
+* In an optimizer-only step, pass the gradients **before** the state,
+  ``step(params, grads, opt_state)``, all donated. JAX pairs donated inputs with outputs
+  of the same shape and dtype in order, so the gradient's buffer becomes the new
+  ``prev_grad`` (no copy), the old ``prev_grad`` buffer receives the new ``exp_avg_sq``,
+  the old ``exp_avg_sq`` buffer the new ``exp_avg`` and the old ``exp_avg`` buffer the
+  new ``diff_carry``. That is why the state fields come in this order.
+* Such a hand-over is only copy-free if each old buffer is read by no fusion that runs
+  after its new owner is written. The old previous gradient would have two readers
+  (the updates of :math:`v` and :math:`n`), which makes the hand-over cyclic. So the
+  state keeps, instead of :math:`v_k`, the carry :math:`w_k = β_2 v_k - (1-β_2)\tilde
+  g_k`, from which :math:`v_{k+1} = w_k + (1-β_2)\tilde g_{k+1}` needs no previous
+  gradient; only the :math:`n` update reads it. :math:`v` is equal to the official one
+  in exact arithmetic (it differs by rounding). ``optimization_barrier`` pins the order
+  :math:`n \to m \to w` of the writes (on CPU, keep
+  ``--xla_disable_hlo_passes=cse_barrier_expander`` as
+  :func:`resireduce_jax.runtime.configure_cpu` sets, or XLA drops the barriers).
+
+With clipping, ``prev_grad`` holds the raw gradient and ``prev_grad_scale`` its clip
+factor, so the stored gradient is still the incoming buffer itself.
+
+See :func:`resireduce_jax.optimizers.optimizer_step` for a helper that picks the
+argument order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from resireduce_jax.optimizers._common import (
+    MaskOrFn,
+    ScalarOrSchedule,
+    check_beta,
+    check_max_grad_norm,
+    check_non_negative,
+    decay_flags,
+    global_norm,
+    is_zero_constant,
+    scalar_as,
+    value_at,
+)
+
+__all__ = ["AdanRState", "adan_r", "official_diff_avg"]
+
+
+class AdanRState(NamedTuple):
+    """State of :func:`adan_r`. The order of the fields is part of the memory design.
+
+    Attributes:
+      count: number of steps taken (int32).
+      prev_grad: the previous step's gradient as it arrived (before clipping).
+      exp_avg_sq: :math:`n`, average of squared Nesterov-corrected gradients.
+      exp_avg: :math:`m`, average of gradients.
+      diff_carry: :math:`w = β_2 v - (1-β_2)\\tilde g_{prev}`; the official
+        ``exp_avg_diff`` :math:`v` is :func:`official_diff_avg` of this state.
+      prev_grad_scale: clip factor that was applied to ``prev_grad`` (1 when not clipping).
+    """
+
+    count: jax.Array
+    prev_grad: optax.Updates
+    exp_avg_sq: optax.Updates
+    exp_avg: optax.Updates
+    diff_carry: optax.Updates
+    prev_grad_scale: jax.Array
+
+
+def official_diff_avg(state: AdanRState, b2: float = 0.92) -> optax.Updates:
+    """The official Adan's ``exp_avg_diff`` (:math:`v`) recovered from an :class:`AdanRState`.
+
+    :math:`v = (w + (1-β_2)\\, s\\, g_{prev}) / β_2`; zero before the first step. Meant for
+    inspection and checkpoint conversion; exact up to rounding. Requires ``b2 > 0``.
+    """
+    check_beta("b2", b2, positive=True, why="Recovering v divides by b2.")
+    started = state.count > 0
+
+    def leaf(w, prev):
+        v = (w + (1 - b2) * scalar_as(state.prev_grad_scale, prev) * prev) / b2
+        return jnp.where(started, v, jnp.zeros_like(v))
+
+    return jax.tree.map(leaf, state.diff_carry, state.prev_grad)
+
+
+def adan_r(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.98,
+    b2: float = 0.92,
+    b3: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: MaskOrFn = None,
+    *,
+    no_prox: bool = False,
+    max_grad_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Official Adan with gradient-space reutilization (Adan-R).
+
+    Args:
+      learning_rate: η, a float or an optax schedule of the step count (0-based).
+      b1: β1, decay of the gradient average, in [0, 1). Official default 0.98.
+      b2: β2, decay of the gradient-difference average, in [0, 1). Official default 0.92.
+      b3: β3, decay of the squared-term average, in [0, 1). Official default 0.99.
+      eps: ε added outside the (bias-corrected) square root.
+      weight_decay: λ (float or schedule), >= 0. Applied as the official code does:
+        proximal ``θ ← (θ − Δ)/(1 + ηλ)`` by default, ``θ ← θ(1 − ηλ) − Δ`` with
+        ``no_prox``.
+      mask: which leaves are decayed: ``None`` (all), a pytree of bools with the params'
+        structure (or a prefix), or a callable of the params returning one.
+      no_prox: use the non-proximal weight decay (official ``no_prox=True``).
+      max_grad_norm: if set, scale the gradients by ``min(1, c / (‖g‖ + ε))`` first, as the
+        official ``max_grad_norm`` does (``None`` here is the official ``0``).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`AdanRState`.
+
+    Raises:
+      ValueError: for betas outside [0, 1), negative eps, learning rate or weight decay,
+        or a non-positive ``max_grad_norm``.
+
+    References:
+      Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
+      Reutilization", PRCV 2024, §3.2 (Adan-R, Algorithm 2).
+      Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
+      Models", TPAMI 2024, Algorithm 1; official code sail-sg/Adan.
+    """
+    check_beta("b1", b1)
+    check_beta("b2", b2)
+    check_beta("b3", b3)
+    check_non_negative("eps", eps)
+    check_non_negative("learning_rate", learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    clip_norm = check_max_grad_norm(max_grad_norm)
+    skip_decay = is_zero_constant(weight_decay)
+
+    def init_fn(params: optax.Params) -> AdanRState:
+        return AdanRState(
+            count=jnp.zeros([], jnp.int32),
+            prev_grad=optax.tree.zeros_like(params),
+            exp_avg_sq=optax.tree.zeros_like(params),
+            exp_avg=optax.tree.zeros_like(params),
+            diff_carry=optax.tree.zeros_like(params),
+            prev_grad_scale=jnp.ones([], jnp.float32),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: AdanRState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, AdanRState]:
+        if params is None:
+            raise ValueError(
+                "adan_r needs the parameters for its weight decay: call "
+                "tx.update(grads, opt_state, params)."
+            )
+        first = state.count == 0
+        step = optax.safe_increment(state.count)
+        k = step.astype(jnp.float32)
+        lr = jnp.asarray(value_at(learning_rate, state.count), jnp.float32)
+        decay = jnp.asarray(value_at(weight_decay, state.count), jnp.float32)
+        # Official scalars: step_size = lr / bc1, step_size_diff = lr * b2 / bc2.
+        step_m = lr / (1 - b1**k)
+        step_v = lr * b2 / (1 - b2**k)
+        sqrt_bias3 = jnp.sqrt(1 - b3**k)
+        if clip_norm is None:
+            scale = prev_scale = None
+            new_scale = state.prev_grad_scale
+        else:
+            norm = global_norm(updates).astype(jnp.float32)
+            scale = jnp.minimum(1.0, clip_norm / (norm + eps))
+            prev_scale, new_scale = state.prev_grad_scale, scale
+        flags = decay_flags(mask, params)
+
+        def leaf(g, prev, n, m, w, p, decayed):
+            if scale is not None:
+                g = g * scalar_as(scale, g)
+                prev = prev * scalar_as(prev_scale, prev)
+            zero = jnp.zeros_like(g)
+            diff = jnp.where(first, zero, g - prev)
+            nesterov = diff * b2 + g
+            n_new = b3 * n + (1 - b3) * (nesterov * nesterov)
+            # The writes below take over buffers in the order n -> m -> w (see module
+            # docstring); the barriers make each read of an old buffer precede the write
+            # that reuses it.
+            n_new, m = jax.lax.optimization_barrier((n_new, m))
+            m_new = b1 * m + (1 - b1) * g
+            m_new, w = jax.lax.optimization_barrier((m_new, w))
+            v_new = jnp.where(first, zero, w + (1 - b2) * g)
+            w_new = b2 * v_new - (1 - b2) * g
+            denom = jnp.sqrt(n_new) / scalar_as(sqrt_bias3, g) + eps
+            delta = (scalar_as(step_m, g) * m_new + scalar_as(step_v, g) * v_new) / denom
+            if decayed and not skip_decay:
+                lr_decay = scalar_as(lr * decay, p)
+                u = -(delta + lr_decay * p)
+                if not no_prox:  # (θ − Δ)/(1 + ηλ) − θ
+                    u = u / (1 + lr_decay)
+            else:
+                u = -delta
+            return u.astype(p.dtype), n_new, m_new, w_new
+
+        out = jax.tree.map(
+            leaf,
+            updates,
+            state.prev_grad,
+            state.exp_avg_sq,
+            state.exp_avg,
+            state.diff_carry,
+            params,
+            flags,
+        )
+        new_updates, n, m, w = jax.tree.transpose(
+            jax.tree.structure(updates), jax.tree.structure((0, 0, 0, 0)), out
+        )
+        new_state = AdanRState(
+            count=step,
+            prev_grad=updates,
+            exp_avg_sq=n,
+            exp_avg=m,
+            diff_carry=w,
+            prev_grad_scale=new_scale,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,59 @@
+"""Optimizers by name, for configs such as ``optimizer.name = "adamw_r"``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+from resireduce_jax.optimizers.adamw_r import adamw_r
+from resireduce_jax.optimizers.adan_r import adan_r
+from resireduce_jax.optimizers.lion_r import lion_r
+
+__all__ = ["OPTIMIZERS", "get_optimizer"]
+
+# This library's optimizers. Any other name is looked up among optax's optimizer
+# aliases (``optax.adamw``, ``optax.lion``, ``optax.sgd``, ...).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw_r": adamw_r,
+    "adan_r": adan_r,
+    "lion_r": lion_r,
+}
+
+
+_OPTAX_ALIAS_MODULE = "optax._src.alias"  # where optax defines its optimizer aliases
+
+
+def _optax_optimizer_names() -> list[str]:
+    return sorted(
+        name
+        for name in dir(optax)
+        if not name.startswith("_")
+        and getattr(getattr(optax, name), "__module__", "") == _OPTAX_ALIAS_MODULE
+    )
+
+
+def get_optimizer(name: str, **hyperparams: Any) -> optax.GradientTransformation:
+    """Builds the optimizer called ``name`` with ``hyperparams`` (keyword arguments).
+
+    Args:
+      name: ``"adamw_r"``, ``"adan_r"``, ``"lion_r"``, or the name of an optax optimizer
+        (``"adamw"``, ``"lion"``, ``"adan"``, ``"sgd"``, ...).
+      **hyperparams: passed to the factory, e.g. ``learning_rate=1e-3, weight_decay=0.05``.
+
+    Returns:
+      The ``optax.GradientTransformation``.
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name](**hyperparams)
+    known = _optax_optimizer_names()
+    if name in known:
+        return getattr(optax, name)(**hyperparams)
+    raise ValueError(
+        f"Unknown optimizer {name!r}. This library provides {sorted(OPTIMIZERS)}; "
+        f"optax provides {known}."
+    )
