@@ -1,0 +1,136 @@
+"""What every model configuration shares: dtypes, validation, example inputs, how to apply it.
+
+Each architecture has a frozen, keyword-only dataclass derived from :class:`ModelConfig`.
+A configuration knows how to build its Flax module (:meth:`ModelConfig.build`), which
+arrays ``model.apply`` takes and which arrays are the targets (:attr:`input_names`,
+:attr:`target_names`, :meth:`ModelConfig.example_batch`), which variable collections are
+mutable in training (:attr:`mutable_collections`) and which PRNG streams training needs
+(:attr:`rng_names`). Invalid values raise a ``ValueError`` when the configuration is made,
+so a typo in an override fails before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ModelConfig", "as_dtype", "check_batch_size", "image_batch"]
+
+
+def as_dtype(value: Any, field: str) -> jnp.dtype:
+    """Turns ``"bfloat16"``, ``jnp.bfloat16`` or a numpy dtype into a floating ``jnp.dtype``."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as error:
+        raise ValueError(
+            f"{field}={value!r} is not a dtype; use e.g. 'float32', 'bfloat16' or jnp.float16."
+        ) from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{field}={value!r} must be a floating-point dtype, got {dtype}.")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Base class of the model configurations.
+
+    Attributes:
+      dtype: computation dtype of the layers (e.g. ``bfloat16`` for mixed precision).
+        Normalizations reduce in float32 and logits are returned in float32 whatever
+        this is, so that losses are computed at full precision.
+      param_dtype: dtype in which parameters are created and stored.
+    """
+
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    #: What the model predicts: "classification", "causal_lm" or "span_qa".
+    task: ClassVar[str]
+    #: Keyword arguments of ``model.apply`` filled from a batch, in call order.
+    input_names: ClassVar[tuple[str, ...]]
+    #: Keys of a batch that hold the targets of the loss.
+    target_names: ClassVar[tuple[str, ...]]
+    #: Collections to pass as ``mutable=`` to ``model.apply`` when ``train=True``.
+    mutable_collections: ClassVar[tuple[str, ...]] = ()
+    #: PRNG streams ``model.apply`` draws from when ``train=True`` (pass them in ``rngs=``).
+    rng_names: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype, "param_dtype"))
+        # Configs arrive from ml_collections as lists; tuples keep the dataclass hashable,
+        # which Flax needs for module attributes.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, list):
+                object.__setattr__(self, field.name, tuple(value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` for invalid field values (subclasses extend it)."""
+
+    def build(self) -> nn.Module:
+        """The Flax module this configuration describes."""
+        raise NotImplementedError
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of one batch: the inputs of ``model.apply`` and the targets."""
+        raise NotImplementedError
+
+    # Helpers for subclasses' validate().
+
+    def _require_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"{type(self).__name__}.{name} must be a positive integer, got {value!r}."
+                )
+
+    def _require_rate(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(
+                    f"{type(self).__name__}.{name} must be a probability in [0, 1), got {value!r}."
+                )
+
+    def _require_positive_tuple(self, name: str) -> None:
+        value = getattr(self, name)
+        if (
+            not isinstance(value, tuple)
+            or not value
+            or not all(isinstance(v, int) and v >= 1 for v in value)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.{name} must be a non-empty tuple of positive "
+                f"integers, got {value!r}."
+            )
+
+    def _require_divisible(self, width_name: str, heads_name: str) -> None:
+        width, heads = getattr(self, width_name), getattr(self, heads_name)
+        if width % heads:
+            raise ValueError(
+                f"{type(self).__name__}: {width_name}={width} is not divisible by "
+                f"{heads_name}={heads}; every attention head needs the same width."
+            )
+
+
+def image_batch(
+    batch_size: int, height: int, width: int, channels: int
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """NHWC float32 images under ``"image"`` and int32 class labels under ``"label"``."""
+    check_batch_size(batch_size)
+    return {
+        "image": jax.ShapeDtypeStruct((batch_size, height, width, channels), jnp.float32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
+
+
+def check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")

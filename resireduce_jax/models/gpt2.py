@@ -1,0 +1,229 @@
+"""GPT-2: a decoder-only, pre-LayerNorm transformer language model with a tied LM head.
+
+Radford et al., "Language Models are Unsupervised Multitask Learners" (2019), §2.3: the GPT
+decoder (Radford et al. 2018) with LayerNorm moved to the input of each sub-block, an extra
+LayerNorm after the last block, residual projections initialized with std
+``0.02 / sqrt(2 * num_layers)``, 1024 positions and a 50,257-token byte-level BPE vocabulary.
+The output projection shares its weights with the token embedding ``wte``.
+
+Sizes (``num_layers``, ``width``, ``num_heads``): small 12/768/12 (124.4M parameters),
+medium 24/1024/16 (354.8M), large 36/1280/20 (774.0M).
+
+Parameter names follow the reference implementation (OpenAI's TF code and Hugging Face
+``GPT2LMHeadModel``): ``wte``, ``wpe``, ``h_{i}/ln_1``, ``h_{i}/attn/c_attn``,
+``h_{i}/attn/c_proj``, ``h_{i}/ln_2``, ``h_{i}/mlp/c_fc``, ``h_{i}/mlp/c_proj``, ``ln_f``.
+Dense kernels are Flax's ``[in, out]`` (the layout of GPT-2's ``Conv1D`` weights, the
+transpose of a torch ``Linear``); ``c_attn``'s output columns are ``[query | key | value]``,
+heads contiguous within each.
+
+Calling it::
+
+    model = GPT2(GPT2Config())
+    variables = model.init(key, tokens)                        # tokens: int [batch, length]
+    logits = model.apply(variables, tokens, train=True, rngs={"dropout": key})
+    # logits: float32 [batch, length, vocab_size]; position t predicts token t + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from resireduce_jax.models import attention
+from resireduce_jax.models.config import ModelConfig, check_batch_size
+
+__all__ = ["GPT2", "MLP", "Attention", "Block", "GPT2Config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPT2Config(ModelConfig):
+    """Hyperparameters of GPT-2 (defaults: GPT-2 small).
+
+    Attributes:
+      vocab_size: number of token ids (50,257 for GPT-2's BPE, 256 for bytes).
+      max_len: number of learned positions (``n_positions``); inputs may be shorter.
+      num_layers: number of transformer blocks.
+      width: model width (``n_embd``).
+      num_heads: attention heads; must divide ``width``.
+      mlp_dim: hidden width of the MLP; ``None`` means ``4 * width``.
+      dropout_rate: dropout on the embeddings and on each sub-block's output
+        (``embd_pdrop`` / ``resid_pdrop``).
+      attention_dropout_rate: dropout on the attention probabilities (``attn_pdrop``).
+      layer_norm_epsilon: LayerNorm epsilon.
+      initializer_range: std of the normal initializer of weights and embeddings.
+      seq_len: length of :meth:`example_batch` sequences; ``None`` means ``max_len``.
+    """
+
+    vocab_size: int = 50257
+    max_len: int = 1024
+    num_layers: int = 12
+    width: int = 768
+    num_heads: int = 12
+    mlp_dim: int | None = None
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    seq_len: int | None = None
+
+    task: ClassVar[str] = "causal_lm"
+    input_names: ClassVar[tuple[str, ...]] = ("tokens",)
+    target_names: ClassVar[tuple[str, ...]] = ("targets",)
+    rng_names: ClassVar[tuple[str, ...]] = ("dropout",)
+
+    def validate(self) -> None:
+        self._require_positive(
+            "vocab_size", "max_len", "num_layers", "width", "num_heads", "mlp_dim", "seq_len"
+        )
+        self._require_divisible("width", "num_heads")
+        self._require_rate("dropout_rate", "attention_dropout_rate")
+        if self.seq_len is not None and self.seq_len > self.max_len:
+            raise ValueError(
+                f"GPT2Config.seq_len={self.seq_len} exceeds max_len={self.max_len}; "
+                "raise max_len or shorten the sequences."
+            )
+
+    @property
+    def hidden_dim(self) -> int:
+        """Width of the MLP's hidden layer."""
+        return self.mlp_dim or 4 * self.width
+
+    @property
+    def sequence_length(self) -> int:
+        """Length of :meth:`example_batch` sequences."""
+        return self.seq_len or self.max_len
+
+    def build(self) -> GPT2:
+        return GPT2(self)
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """``tokens`` and next-token ``targets``, both int32 ``[batch, seq_len]``."""
+        check_batch_size(batch_size)
+        shape = (batch_size, self.sequence_length)
+        return {
+            "tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+            "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+        }
+
+
+def _dense(config: GPT2Config, features: int, name: str, std: float) -> nn.Dense:
+    return nn.Dense(
+        features,
+        kernel_init=nn.initializers.normal(std),
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
+def _layer_norm(config: GPT2Config, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_epsilon,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
+def _residual_std(config: GPT2Config) -> float:
+    # Radford et al. 2019, §2.3: residual-path weights scaled by 1/sqrt(N), N = 2 * layers.
+    return config.initializer_range / math.sqrt(2 * config.num_layers)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: ``c_attn`` (fused q/k/v) then ``c_proj``."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        c = self.config
+        qkv = _dense(c, 3 * c.width, "c_attn", c.initializer_range)(x)
+        query, key, value = (
+            attention.split_heads(part, c.num_heads) for part in jnp.split(qkv, 3, axis=-1)
+        )
+        probs = attention.attention_probabilities(query, key, attention.causal_mask(x.shape[-2]))
+        probs = nn.Dropout(c.attention_dropout_rate)(probs, deterministic=not train)
+        out = _dense(c, c.width, "c_proj", _residual_std(c))(attention.attend(probs, value))
+        return nn.Dropout(c.dropout_rate)(out, deterministic=not train)
+
+
+class MLP(nn.Module):
+    """``c_fc`` -> GELU (tanh approximation, as in GPT-2) -> ``c_proj``."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        c = self.config
+        h = _dense(c, c.hidden_dim, "c_fc", c.initializer_range)(x)
+        h = jax.nn.gelu(h, approximate=True)
+        out = _dense(c, c.width, "c_proj", _residual_std(c))(h)
+        return nn.Dropout(c.dropout_rate)(out, deterministic=not train)
+
+
+class Block(nn.Module):
+    """One pre-LN GPT-2 block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    Maps ``[batch, length, width]`` to the same shape; usable on its own as a stage of a
+    chain (e.g. for rematerialization), with the parameter names ``ln_1``, ``attn``,
+    ``ln_2``, ``mlp``.
+    """
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        x = x + Attention(self.config, name="attn")(
+            _layer_norm(self.config, "ln_1")(x), train=train
+        )
+        return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x), train=train)
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model; returns float32 next-token logits ``[batch, length, vocab]``."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        c = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"GPT2 expects integer token ids of shape [batch, length], got "
+                f"{tokens.dtype}{list(tokens.shape)}."
+            )
+        length = tokens.shape[1]
+        if length > c.max_len:
+            raise ValueError(
+                f"sequence length {length} exceeds the {c.max_len} learned positions; "
+                "pass shorter sequences or build the model with a larger max_len."
+            )
+        embed_init = nn.initializers.normal(c.initializer_range)
+        wte = nn.Embed(
+            c.vocab_size,
+            c.width,
+            embedding_init=embed_init,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="wte",
+        )
+        wpe = nn.Embed(
+            c.max_len,
+            c.width,
+            embedding_init=embed_init,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="wpe",
+        )
+        x = wte(tokens) + wpe(jnp.arange(length)[None, :])
+        x = nn.Dropout(c.dropout_rate)(x, deterministic=not train)
+        for i in range(c.num_layers):
+            x = Block(c, name=f"h_{i}")(x, train=train)
+        x = _layer_norm(c, "ln_f")(x)
+        return wte.attend(x).astype(jnp.float32)

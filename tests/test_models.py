@@ -1,0 +1,585 @@
+"""Model zoo: registry, parameter counts and names (abstract, full size), tiny forward passes.
+
+Full-size models are only traced (``jax.eval_shape``); their parameter counts are checked
+against sums of shapes written out here from the papers' hyperparameters and against the
+published figures. Forward passes run at tiny sizes against numpy re-implementations.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special
+
+from resireduce_jax import models, tree_paths
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def _count(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def _params(name: str, **overrides):
+    return models.abstract_variables(name, **overrides)["params"]
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    return {
+        tree_paths.path_to_str(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _random_batch(config: models.ModelConfig, batch_size: int, seed: int = 0):
+    """A concrete batch with values in each key's valid range."""
+    rng = np.random.default_rng(seed)
+    batch = {}
+    for key, spec in config.example_batch(batch_size).items():
+        if jnp.issubdtype(spec.dtype, jnp.floating):
+            batch[key] = rng.standard_normal(spec.shape).astype(spec.dtype)
+            continue
+        high = {
+            "tokens": getattr(config, "vocab_size", None),
+            "targets": getattr(config, "vocab_size", None),
+            "input_ids": getattr(config, "vocab_size", None),
+            "token_type_ids": getattr(config, "type_vocab_size", None),
+            "label": getattr(config, "num_classes", None),
+            "attention_mask": 2,
+            "start_positions": getattr(config, "seq_len", None),
+            "end_positions": getattr(config, "seq_len", None),
+        }[key]
+        batch[key] = rng.integers(0, high, spec.shape).astype(spec.dtype)
+    return batch
+
+
+def _inputs(config, batch):
+    return {k: jnp.asarray(batch[k]) for k in config.input_names}
+
+
+def _random_variables(abstract, seed: int):
+    """Random values for every variable, so that no bias is zero and no scale is one.
+
+    Compiling ``init`` costs seconds per model; filling the abstract variables from numpy
+    costs nothing, and random biases, scales and statistics make the numpy comparisons
+    sensitive to every term. ``test_initializers`` covers ``init`` itself.
+    """
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        name, shape = tree_paths.path_to_str(path).rsplit("/", 1)[-1], leaf.shape
+        if name == "kernel":
+            value = rng.standard_normal(shape) / np.sqrt(math.prod(shape[:-1]))
+        elif name == "scale":
+            value = 1 + 0.2 * rng.standard_normal(shape)
+        elif name == "var":
+            value = rng.uniform(0.5, 1.5, shape)
+        elif name in ("bias", "mean"):
+            value = 0.2 * rng.standard_normal(shape)
+        else:  # embeddings, cls token, position embeddings
+            value = 0.5 * rng.standard_normal(shape)
+        return jnp.asarray(value, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+@functools.cache
+def _tiny_cached(name: str, batch_size: int, seed: int, overrides: tuple):
+    config = models.get_config(name, **dict(overrides))
+    batch = _random_batch(config, batch_size, seed)
+    variables = _random_variables(models.abstract_variables(name, **dict(overrides)), seed)
+    return config, config.build(), variables, batch
+
+
+def _tiny(name: str, batch_size: int = 2, seed: int = 0, **overrides):
+    """A reduced-size model with random variables and a random batch (cached)."""
+    return _tiny_cached(name, batch_size, seed, tuple(sorted(overrides.items())))
+
+
+@functools.cache
+def _apply(model, **static):
+    """``model.apply`` compiled (eager op-by-op dispatch is slow), with static keywords."""
+    return jax.jit(functools.partial(model.apply, **static))
+
+
+def _primitive_counts(fn, *args) -> collections.Counter:
+    """How often each primitive occurs in ``fn``'s jaxpr, nested jaxprs included."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from walk(inner)
+
+    return collections.Counter(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _dot_dtypes(fn, *args) -> set:
+    """Result dtypes of every matrix multiplication in ``fn``'s jaxpr (nested ones too)."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.outvars[0].aval.dtype
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from walk(inner)
+
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _np(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def _np_layer_norm(x, p, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def _np_dense(x, p):
+    return x @ p["kernel"] + p["bias"]
+
+
+def _np_gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _np_gelu_erf(x):
+    return 0.5 * x * (1 + special.erf(x / np.sqrt(2)))
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_attention(q, k, v, heads, allowed=None):
+    """Per-head attention with numpy loops over heads; ``allowed[b, i, j]`` masks keys."""
+    width = q.shape[-1]
+    dh = width // heads
+    out = np.zeros_like(q)
+    for h in range(heads):
+        cols = slice(h * dh, (h + 1) * dh)
+        scores = q[..., cols] @ np.swapaxes(k[..., cols], 1, 2) / np.sqrt(dh)
+        if allowed is not None:
+            scores = np.where(allowed, scores, -np.inf)
+        out[..., cols] = _np_softmax(scores) @ v[..., cols]
+    return out
+
+
+def _np_fused_attention(x, p_qkv, p_proj, heads, allowed=None):
+    q, k, v = np.split(_np_dense(x, p_qkv), 3, axis=-1)
+    return _np_dense(_np_attention(q, k, v, heads, allowed), p_proj)
+
+
+# ---------------------------------------------------------------------------------------
+# Registry
+
+
+ALL_NAMES = {
+    "gpt2_small",
+    "gpt2_medium",
+    "gpt2_large",
+    "byte_gpt",
+    "vit_s16",
+    "vit_b16",
+    "vit_l16",
+}
+
+
+def test_registry_names():
+    assert set(models.MODELS) == ALL_NAMES
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown model 'gpt3'.*'gpt2_small'"):
+        models.get_model("gpt3")
+
+
+def test_unknown_override_lists_fields():
+    with pytest.raises(ValueError, match=r"no field\(s\) \['depth'\].*'num_layers'"):
+        models.get_model("gpt2_small", depth=3)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("gpt2_small", {"width": 100, "num_heads": 12}, "not divisible"),
+        ("gpt2_small", {"num_layers": 0}, "positive integer"),
+        ("gpt2_small", {"dropout_rate": 1.0}, r"\[0, 1\)"),
+        ("gpt2_small", {"seq_len": 2048}, "exceeds max_len"),
+        ("gpt2_small", {"dtype": "int32"}, "floating-point"),
+        ("gpt2_small", {"param_dtype": "not_a_dtype"}, "not a dtype"),
+        ("vit_b16", {"image_size": 100}, "multiple of patch_size"),
+    ],
+)
+def test_invalid_overrides_raise(name, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        models.get_config(name, **overrides)
+
+
+def test_example_batch_and_overrides():
+    batch = models.example_batch("byte_gpt", 4, seq_len=32)
+    assert batch == {
+        "tokens": jax.ShapeDtypeStruct((4, 32), jnp.int32),
+        "targets": jax.ShapeDtypeStruct((4, 32), jnp.int32),
+    }
+    assert models.example_batch("vit_s16", 3)["image"].shape == (3, 224, 224, 3)
+    with pytest.raises(ValueError, match="batch_size"):
+        models.example_batch("vit_s16", 0)
+    config = models.get_config("byte_gpt", num_layers=2, dtype="bfloat16")
+    assert config.num_layers == 2 and config.dtype == jnp.bfloat16
+    assert models.MODELS["byte_gpt"].num_layers == 4  # the registry is not modified
+
+
+# ---------------------------------------------------------------------------------------
+# Full-size parameter counts and names (abstract only)
+
+
+def _gpt2_count(layers, width, vocab=50257, positions=1024):
+    d = width
+    block = (
+        2 * d  # ln_1
+        + (d * 3 * d + 3 * d)  # attn.c_attn
+        + (d * d + d)  # attn.c_proj
+        + 2 * d  # ln_2
+        + (d * 4 * d + 4 * d)  # mlp.c_fc
+        + (4 * d * d + d)  # mlp.c_proj
+    )
+    return vocab * d + positions * d + layers * block + 2 * d  # wte, wpe, blocks, ln_f
+
+
+@pytest.mark.parametrize(
+    "name, layers, width, published_millions",
+    [
+        ("gpt2_small", 12, 768, 124.4),
+        ("gpt2_medium", 24, 1024, 354.8),
+        ("gpt2_large", 36, 1280, 774.0),
+    ],
+)
+def test_gpt2_parameter_count(name, layers, width, published_millions):
+    count = _count(_params(name))
+    assert count == _gpt2_count(layers, width)
+    assert round(count / 1e6, 1) == published_millions
+
+
+def _vit_count(layers, width, mlp, classes=1000, patch=16, image=224):
+    d, tokens = width, (image // patch) ** 2 + 1
+    block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * mlp + mlp) + (mlp * d + d)
+    stem = patch * patch * 3 * d + d + d + tokens * d  # patch_embed, cls_token, pos_embed
+    return stem + layers * block + 2 * d + d * classes + classes
+
+
+@pytest.mark.parametrize(
+    "name, layers, width, mlp, published_millions",
+    [
+        ("vit_s16", 12, 384, 1536, 22.05),
+        ("vit_b16", 12, 768, 3072, 86.57),
+        ("vit_l16", 24, 1024, 4096, 304.33),
+    ],
+)
+def test_vit_parameter_count(name, layers, width, mlp, published_millions):
+    count = _count(_params(name))
+    assert count == _vit_count(layers, width, mlp)
+    assert round(count / 1e6, 2) == published_millions
+
+
+def test_gpt2_parameter_names_and_layouts():
+    shapes = _shapes(_params("gpt2_medium"))
+    d = 1024
+    expected = {"wte/embedding": (50257, d), "wpe/embedding": (1024, d)}
+    expected |= {"ln_f/scale": (d,), "ln_f/bias": (d,)}
+    for i in range(24):
+        for ln in ("ln_1", "ln_2"):
+            expected |= {f"h_{i}/{ln}/scale": (d,), f"h_{i}/{ln}/bias": (d,)}
+        for sub, fan_in, fan_out in [
+            ("attn/c_attn", d, 3 * d),
+            ("attn/c_proj", d, d),
+            ("mlp/c_fc", d, 4 * d),
+            ("mlp/c_proj", 4 * d, d),
+        ]:
+            expected[f"h_{i}/{sub}/kernel"] = (fan_in, fan_out)  # [in, out]
+            expected[f"h_{i}/{sub}/bias"] = (fan_out,)
+    assert shapes == expected
+
+
+def test_vit_parameter_names_and_layouts():
+    shapes = _shapes(_params("vit_s16"))
+    d = 384
+    expected = {
+        "patch_embed/kernel": (16, 16, 3, d),  # HWIO
+        "patch_embed/bias": (d,),
+        "cls_token": (1, 1, d),
+        "pos_embed": (1, 197, d),
+        "norm/scale": (d,),
+        "norm/bias": (d,),
+        "head/kernel": (d, 1000),
+        "head/bias": (1000,),
+    }
+    for i in range(12):
+        for ln in ("norm1", "norm2"):
+            expected |= {f"blocks_{i}/{ln}/scale": (d,), f"blocks_{i}/{ln}/bias": (d,)}
+        for sub, fan_in, fan_out in [
+            ("attn/qkv", d, 3 * d),
+            ("attn/proj", d, d),
+            ("mlp/fc1", d, 4 * d),
+            ("mlp/fc2", 4 * d, d),
+        ]:
+            expected[f"blocks_{i}/{sub}/kernel"] = (fan_in, fan_out)
+            expected[f"blocks_{i}/{sub}/bias"] = (fan_out,)
+    assert shapes == expected
+
+
+@pytest.mark.parametrize(
+    "name, output_shape",
+    [
+        ("gpt2_large", (2, 1024, 50257)),
+        ("vit_l16", (2, 1000)),
+    ],
+)
+def test_full_size_apply_shapes(name, output_shape):
+    config = models.get_config(name)
+    model = config.build()
+    batch = config.example_batch(2)
+    inputs = {k: batch[k] for k in config.input_names}
+    variables = models.abstract_variables(name)
+    out = jax.eval_shape(lambda v, x: model.apply(v, **x), variables, inputs)
+    assert jax.tree.map(lambda o: (o.shape, o.dtype), out) == (output_shape, jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Tiny forward passes against numpy
+
+
+_TINY_GPT = dict(vocab_size=61, max_len=16, num_layers=2, width=32, num_heads=4, seq_len=12)
+
+
+def _np_gpt2(p, tokens, config):
+    length = tokens.shape[1]
+    x = p["wte"]["embedding"][tokens] + p["wpe"]["embedding"][np.arange(length)]
+    causal = np.tril(np.ones((length, length), bool))[None]
+    eps = config.layer_norm_epsilon
+    for i in range(config.num_layers):
+        b = p[f"h_{i}"]
+        h = _np_layer_norm(x, b["ln_1"], eps)
+        x = x + _np_fused_attention(
+            h, b["attn"]["c_attn"], b["attn"]["c_proj"], config.num_heads, causal
+        )
+        h = _np_layer_norm(x, b["ln_2"], eps)
+        x = x + _np_dense(_np_gelu_tanh(_np_dense(h, b["mlp"]["c_fc"])), b["mlp"]["c_proj"])
+    x = _np_layer_norm(x, p["ln_f"], eps)
+    return x @ p["wte"]["embedding"].T  # tied LM head
+
+
+def test_gpt2_matches_numpy_reference():
+    config, model, variables, batch = _tiny("gpt2_small", **_TINY_GPT)
+    logits = _apply(model)(variables, **_inputs(config, batch))
+    expected = _np_gpt2(_np(variables["params"]), batch["tokens"], config)
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 12, 61)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_is_causal():
+    config, model, variables, batch = _tiny("gpt2_small", **_TINY_GPT)
+    tokens = batch["tokens"]
+    changed = tokens.copy()
+    t = 5
+    changed[:, t] = (changed[:, t] + 1) % config.vocab_size
+    apply = _apply(model)
+    before = apply(variables, jnp.asarray(tokens))
+    after = apply(variables, jnp.asarray(changed))
+    np.testing.assert_allclose(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
+    assert np.all(np.abs(after[:, t:] - before[:, t:]).max(axis=-1) > 1e-3)
+
+
+def test_gpt2_rejects_too_long_or_float_input():
+    _, model, variables, _ = _tiny("gpt2_small", **_TINY_GPT)
+    with pytest.raises(ValueError, match="exceeds the 16 learned positions"):
+        model.apply(variables, jnp.zeros((1, 17), jnp.int32))
+    with pytest.raises(ValueError, match="integer token ids"):
+        model.apply(variables, jnp.zeros((1, 4), jnp.float32))
+
+
+_TINY_VIT = dict(image_size=16, patch_size=4, num_classes=7, num_layers=2, width=32, num_heads=4)
+
+
+def _np_vit(p, image, config):
+    batch, _, _, channels = image.shape
+    ps, n = config.patch_size, config.image_size // config.patch_size
+    # Patches in row-major order, each flattened as (row, col, channel) like an HWIO kernel.
+    patches = image.reshape(batch, n, ps, n, ps, channels).transpose(0, 1, 3, 2, 4, 5)
+    patches = patches.reshape(batch, n * n, ps * ps * channels)
+    kernel = p["patch_embed"]["kernel"].reshape(ps * ps * channels, config.width)
+    x = patches @ kernel + p["patch_embed"]["bias"]
+    cls = np.broadcast_to(p["cls_token"], (batch, 1, config.width))
+    x = np.concatenate([cls, x], axis=1) + p["pos_embed"]
+    eps = config.layer_norm_epsilon
+    for i in range(config.num_layers):
+        b = p[f"blocks_{i}"]
+        h = _np_layer_norm(x, b["norm1"], eps)
+        x = x + _np_fused_attention(h, b["attn"]["qkv"], b["attn"]["proj"], config.num_heads)
+        h = _np_layer_norm(x, b["norm2"], eps)
+        x = x + _np_dense(_np_gelu_erf(_np_dense(h, b["mlp"]["fc1"])), b["mlp"]["fc2"])
+    x = _np_layer_norm(x, p["norm"], eps)
+    return _np_dense(x[:, 0], p["head"])
+
+
+def test_vit_matches_numpy_reference():
+    config, model, variables, batch = _tiny("vit_b16", **_TINY_VIT)
+    logits = _apply(model)(variables, **_inputs(config, batch))
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 7)
+    expected = _np_vit(_np(variables["params"]), batch["image"], config)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_vit_rejects_wrong_image_size():
+    _, model, variables, _ = _tiny("vit_b16", **_TINY_VIT)
+    with pytest.raises(ValueError, match="set image_size"):
+        model.apply(variables, jnp.zeros((1, 32, 32, 3)))
+
+
+# ---------------------------------------------------------------------------------------
+# Behaviour common to all models: gradients, dropout, dtypes
+
+# Reduced sizes of each architecture (the same as the numpy comparisons: compiling and
+# initializing are the cost, so tests share them).
+TINY = {
+    "gpt2_small": _TINY_GPT,
+    "byte_gpt": dict(num_layers=1, seq_len=8),
+    "vit_b16": _TINY_VIT,
+}
+# byte_gpt is GPT-2 at another size: its gradients are covered by gpt2_small's.
+GRADIENT_MODELS = sorted(set(TINY) - {"byte_gpt"})
+# Number of dropout sites in train mode, from the architectures' definitions.
+DROPOUT_SITES = {
+    "gpt2_small": lambda c: 1 + 3 * c.num_layers,  # embeddings; attn probs, attn out, mlp out
+    # pos; attn probs (off by default), proj, fc1 activation, fc2
+    "vit_b16": lambda c: 1 + (3 + (c.attention_dropout_rate > 0)) * c.num_layers,
+}
+
+
+def _loss(config, model, variables, batch, params, train, rng=None):
+    rngs = {name: rng for name in config.rng_names} if rng is not None else None
+    mutable = list(config.mutable_collections) if train else False
+    out = model.apply(
+        {**variables, "params": params},
+        **_inputs(config, batch),
+        train=train,
+        rngs=rngs,
+        mutable=mutable,
+    )
+    if mutable:
+        out, _ = out
+    leaves = jax.tree.leaves(out)
+    return sum(jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))) for o in leaves)
+
+
+@pytest.mark.parametrize("name", GRADIENT_MODELS)
+def test_gradients_reach_every_parameter(name):
+    config, model, variables, batch = _tiny(name, **TINY[name])
+    # Training mode where it changes the graph beyond dropout (BatchNorm's batch statistics);
+    # dropout masks would only add compile time.
+    train = bool(config.mutable_collections)
+    grads = jax.jit(jax.grad(lambda p: _loss(config, model, variables, batch, p, train)))(
+        variables["params"]
+    )
+    leaves = jax.tree.leaves(grads)
+    norms = dict(zip(tree_paths.leaf_paths(grads), map(jnp.linalg.norm, leaves), strict=True))
+    assert all(np.isfinite(n) for n in norms.values())
+    assert [path for path, n in norms.items() if n == 0.0] == []
+
+
+def test_dropout_only_in_training():
+    config, model, variables, batch = _tiny("gpt2_small", **TINY["gpt2_small"])
+    assert config.rng_names == ("dropout",)
+    inputs = _inputs(config, batch)
+    evaluate, train = _apply(model, train=False), _apply(model, train=True)
+    evals = [evaluate(variables, **inputs) for _ in range(2)]
+    chex.assert_trees_all_equal(*evals)
+    trains = [train(variables, **inputs, rngs={"dropout": jax.random.key(k)}) for k in (0, 1)]
+    assert not np.allclose(trains[0], trains[1])
+    assert not np.allclose(trains[0], evals[0])
+
+
+@pytest.mark.parametrize("name", sorted(DROPOUT_SITES))
+def test_dropout_sites(name):
+    overrides = dict(TINY[name], num_layers=2)
+    config = models.get_config(name, **overrides)
+    model = config.build()
+    inputs = {k: config.example_batch(2)[k] for k in config.input_names}
+    variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), **x), inputs)
+
+    def bits(train, **rates):
+        m = models.get_model(name, **overrides, **rates)
+        rngs = {"dropout": jax.random.key(0)}
+        fn = lambda v, x: m.apply(v, **x, train=train, rngs=rngs, mutable=False)
+        return _primitive_counts(fn, variables, inputs)["random_bits"]
+
+    assert bits(True) == DROPOUT_SITES[name](config)
+    assert bits(False) == 0
+    assert bits(True, dropout_rate=0.0, attention_dropout_rate=0.0) == 0
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_computation_and_parameter_dtypes(name):
+    config = models.get_config(name, **TINY[name], dtype="bfloat16")
+    model = config.build()
+    inputs = {k: config.example_batch(2)[k] for k in config.input_names}
+    variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), **x), inputs)
+    assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+    fn = lambda v, x: model.apply(v, **x)
+    assert _dot_dtypes(fn, variables, inputs) == {jnp.dtype(jnp.bfloat16)}
+    assert jax.eval_shape(fn, variables, inputs).dtype == jnp.float32  # logits in float32
+    half = models.abstract_variables(name, **TINY[name], param_dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(half)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_blocks_are_standalone_stages():
+    from resireduce_jax.models import gpt2, vit
+
+    for block, config in [
+        (gpt2.Block, models.get_config("gpt2_small", **_TINY_GPT)),
+        (vit.Block, models.get_config("vit_b16", **_TINY_VIT)),
+    ]:
+        x = jax.ShapeDtypeStruct((2, 5, 32), jnp.float32)
+        stage = block(config)
+        variables = jax.eval_shape(lambda x, stage=stage: stage.init(jax.random.key(1), x), x)
+        assert set(variables["params"]) >= {"attn", "mlp"}
+        assert jax.eval_shape(stage.apply, variables, x) == x
+
+
+def test_initializers():
+    """GPT-2's residual projections start smaller (Radford et al. 2019, §2.3)."""
+    config = models.get_config("gpt2_small", vocab_size=300, num_layers=8, width=64, num_heads=4)
+    batch = config.example_batch(1)
+    # unsafe_rbg keys compile much faster than threefry ones; the statistics are the same.
+    key = jax.random.key(0, impl="unsafe_rbg")
+    params = jax.jit(config.build().init)(key, jnp.zeros(batch["tokens"].shape, jnp.int32))[
+        "params"
+    ]
+    block = params["h_3"]
+    residual_std = 0.02 / math.sqrt(2 * 8)
+    for kernel, std in [
+        (params["wte"]["embedding"], 0.02),
+        (params["wpe"]["embedding"], 0.02),
+        (block["attn"]["c_attn"]["kernel"], 0.02),
+        (block["mlp"]["c_fc"]["kernel"], 0.02),
+        (block["attn"]["c_proj"]["kernel"], residual_std),
+        (block["mlp"]["c_proj"]["kernel"], residual_std),
+    ]:
+        assert abs(float(jnp.std(kernel)) / std - 1) < 0.05
+    np.testing.assert_array_equal(block["ln_1"]["scale"], 1.0)
+    np.testing.assert_array_equal(block["mlp"]["c_fc"]["bias"], 0.0)
