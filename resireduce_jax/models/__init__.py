@@ -7,7 +7,7 @@ implementations, so regex rules written for the PyTorch layer names carry over; 
 ``docs/models.md`` for the full naming contract and how to call each model.
 """
 
-from resireduce_jax.models import attention, gpt2, vit
+from resireduce_jax.models import attention, gpt2, resnet, vgg, vit
 from resireduce_jax.models.config import ModelConfig
 from resireduce_jax.models.registry import (
     MODELS,
@@ -26,5 +26,7 @@ __all__ = [
     "get_config",
     "get_model",
     "gpt2",
+    "resnet",
+    "vgg",
     "vit",
 ]

@@ -15,11 +15,17 @@ import jax
 
 from resireduce_jax.models.config import ModelConfig
 from resireduce_jax.models.gpt2 import GPT2Config
+from resireduce_jax.models.resnet import ResNetConfig
+from resireduce_jax.models.vgg import VGGConfig
 from resireduce_jax.models.vit import ViTConfig
 
 __all__ = ["MODELS", "abstract_variables", "example_batch", "get_config", "get_model"]
 
 MODELS: dict[str, ModelConfig] = {
+    # He et al. 2016, ResNet-50 with the CIFAR stem, 100 classes (ResiReduce §5.1).
+    "resnet50_cifar": ResNetConfig(),
+    # Simonyan & Zisserman 2014, configuration E with BN: torchvision's vgg19_bn, fed 32x32.
+    "vgg19_bn": VGGConfig(),
     # Radford et al. 2019, Table 2 (sizes as released: 124M / 355M / 774M parameters).
     "gpt2_small": GPT2Config(num_layers=12, width=768, num_heads=12),
     "gpt2_medium": GPT2Config(num_layers=24, width=1024, num_heads=16),

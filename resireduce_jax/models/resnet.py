@@ -1,0 +1,235 @@
+"""ResNet with bottleneck blocks; ResNet-50 in the CIFAR layout by default.
+
+He et al., "Deep Residual Learning for Image Recognition" (CVPR 2016): bottleneck blocks
+(1x1 reduce, 3x3, 1x1 expand by 4, §4.1 "Deeper Bottleneck Architectures", Fig. 5) in four
+stages of 3/4/6/3 blocks for ResNet-50 (Table 1), identity shortcuts, and projection
+shortcuts (1x1 conv + BN, option B) where the shape changes. As in torchvision (and the
+ResiReduce reference code), a stage's stride sits on the 3x3 conv ("ResNet v1.5").
+
+``stem="cifar"`` (the default) replaces the ImageNet stem (7x7/2 conv and 3x3/2 max-pool)
+with a 3x3/1 conv and no pooling, the usual adaptation for 32x32 CIFAR images; with 100
+classes this is the ResiReduce paper's ResNet-50 on CIFAR-100 (23.7M parameters).
+``stem="imagenet"`` with 1000 classes is torchvision's ``resnet50`` (25.56M parameters).
+
+Parameter names follow torchvision: ``conv1``, ``bn1``, ``layer{1..4}_{block}/conv{1,2,3}``,
+``layer{s}_{b}/bn{1,2,3}``, ``layer{s}_0/downsample_conv``, ``layer{s}_0/downsample_bn``,
+``fc``. Conv kernels are HWIO (``[kh, kw, in, out]``; torch's are OIHW), the ``fc`` kernel is
+``[in, out]`` (the transpose of torch's ``Linear.weight``). Convolutions have no bias.
+
+Calling it (BatchNorm keeps running statistics in the ``batch_stats`` collection)::
+
+    model = ResNet(ResNetConfig())
+    variables = model.init(key, images)                 # images: float [batch, 32, 32, 3]
+    logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
+    variables = {**variables, **updates}                # new running statistics
+    logits = model.apply(variables, images)             # evaluation: running statistics
+
+In data-parallel training each worker computes batch statistics on its own shard (as
+PyTorch's BatchNorm does under DDP/Horovod) unless ``bn_axis_name`` names the mesh axis,
+which averages them over workers (synchronized BatchNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from resireduce_jax.models.config import ModelConfig, image_batch
+
+__all__ = ["EXPANSION", "Bottleneck", "ResNet", "ResNetConfig"]
+
+#: Output channels of a bottleneck block per channel of its 3x3 conv (He et al. 2016, Fig. 5).
+EXPANSION = 4
+
+# torchvision: kaiming_normal_(mode="fan_out", nonlinearity="relu") for convolutions.
+_conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+# torch.nn.Linear's default weight init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResNetConfig(ModelConfig):
+    """Hyperparameters of a bottleneck ResNet (defaults: ResNet-50 for CIFAR-100).
+
+    Attributes:
+      num_classes: classifier outputs.
+      stage_sizes: bottleneck blocks per stage (ResNet-50: 3, 4, 6, 3).
+      width: 3x3-conv channels of the first stage (64); stage ``s`` uses ``width * 2**s``
+        and outputs ``4`` times that.
+      stem: ``"cifar"`` (3x3/1 conv, no max-pool) or ``"imagenet"`` (7x7/2 conv, 3x3/2
+        max-pool).
+      image_size: input height and width of :meth:`example_batch`.
+      num_channels: input channels.
+      bn_momentum: running-statistics decay (``1 - torch momentum``; 0.9 = torch's 0.1).
+      bn_epsilon: BatchNorm epsilon.
+      bn_axis_name: mesh axis to average batch statistics over (synchronized BatchNorm);
+        ``None`` keeps them per worker.
+    """
+
+    num_classes: int = 100
+    stage_sizes: tuple[int, ...] = (3, 4, 6, 3)
+    width: int = 64
+    stem: str = "cifar"
+    image_size: int = 32
+    num_channels: int = 3
+    bn_momentum: float = 0.9
+    bn_epsilon: float = 1e-5
+    bn_axis_name: str | None = None
+
+    task: ClassVar[str] = "classification"
+    input_names: ClassVar[tuple[str, ...]] = ("image",)
+    target_names: ClassVar[tuple[str, ...]] = ("label",)
+    mutable_collections: ClassVar[tuple[str, ...]] = ("batch_stats",)
+
+    def validate(self) -> None:
+        self._require_positive("num_classes", "width", "image_size", "num_channels")
+        self._require_positive_tuple("stage_sizes")
+        if self.stem not in ("cifar", "imagenet"):
+            raise ValueError(
+                f"ResNetConfig.stem={self.stem!r}; choose 'cifar' (3x3/1 conv, no pooling) "
+                "or 'imagenet' (7x7/2 conv and 3x3/2 max-pool)."
+            )
+        if not 0.0 <= self.bn_momentum < 1.0:
+            raise ValueError(f"ResNetConfig.bn_momentum must be in [0, 1), got {self.bn_momentum}.")
+
+    def build(self) -> ResNet:
+        return ResNet(self)
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """float32 NHWC ``image`` and int32 ``label``."""
+        return image_batch(batch_size, self.image_size, self.image_size, self.num_channels)
+
+
+def _same_padding(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    # torch's symmetric padding (k // 2 on each side); Flax's "SAME" pads asymmetrically
+    # for stride 2, which would shift the sampling grid relative to the reference.
+    return ((kernel // 2, kernel // 2), (kernel // 2, kernel // 2))
+
+
+class Bottleneck(nn.Module):
+    """Bottleneck block: 1x1 -> 3x3 (stride here) -> 1x1 (x4), each followed by BatchNorm.
+
+    ``relu(bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x)))))))) + shortcut(x))``, where the
+    shortcut is ``downsample_bn(downsample_conv(x))`` (1x1, same stride) when the stride is
+    not 1 or the channel count changes, else ``x``. Maps ``[batch, h, w, c]`` to
+    ``[batch, h / strides, w / strides, EXPANSION * features]``; usable on its own as a
+    stage of a chain.
+
+    Attributes:
+      features: channels of the 3x3 conv (the block outputs ``EXPANSION * features``).
+      strides: stride of the 3x3 conv and of the projection shortcut.
+      dtype / param_dtype: computation and parameter dtypes.
+      bn_momentum / bn_epsilon / bn_axis_name: BatchNorm settings (see ResNetConfig).
+    """
+
+    features: int
+    strides: int = 1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    bn_momentum: float = 0.9
+    bn_epsilon: float = 1e-5
+    bn_axis_name: str | None = None
+
+    def _conv(self, features: int, kernel: int, strides: int, name: str) -> nn.Conv:
+        return nn.Conv(
+            features,
+            (kernel, kernel),
+            strides=(strides, strides),
+            padding=_same_padding(kernel),
+            use_bias=False,
+            kernel_init=_conv_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    def _norm(self, train: bool, name: str) -> nn.BatchNorm:
+        return nn.BatchNorm(
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=self.bn_epsilon,
+            axis_name=self.bn_axis_name,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        out_features = EXPANSION * self.features
+        y = nn.relu(self._norm(train, "bn1")(self._conv(self.features, 1, 1, "conv1")(x)))
+        y = self._conv(self.features, 3, self.strides, "conv2")(y)
+        y = nn.relu(self._norm(train, "bn2")(y))
+        y = self._norm(train, "bn3")(self._conv(out_features, 1, 1, "conv3")(y))
+        shortcut = x
+        if self.strides != 1 or x.shape[-1] != out_features:
+            shortcut = self._conv(out_features, 1, self.strides, "downsample_conv")(x)
+            shortcut = self._norm(train, "downsample_bn")(shortcut)
+        return nn.relu(y + shortcut)
+
+
+class ResNet(nn.Module):
+    """Bottleneck ResNet classifier; returns float32 logits ``[batch, num_classes]``."""
+
+    config: ResNetConfig
+
+    @nn.compact
+    def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
+        c = self.config
+        if image.ndim != 4 or image.shape[-1] != c.num_channels:
+            raise ValueError(
+                f"ResNet expects NHWC images with {c.num_channels} channels, got shape "
+                f"{list(image.shape)}."
+            )
+        block_settings = dict(
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            bn_momentum=c.bn_momentum,
+            bn_epsilon=c.bn_epsilon,
+            bn_axis_name=c.bn_axis_name,
+        )
+        stem_kernel, stem_stride = (3, 1) if c.stem == "cifar" else (7, 2)
+        x = nn.Conv(
+            c.width,
+            (stem_kernel, stem_kernel),
+            strides=(stem_stride, stem_stride),
+            padding=_same_padding(stem_kernel),
+            use_bias=False,
+            kernel_init=_conv_init,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="conv1",
+        )(image)
+        x = nn.BatchNorm(
+            use_running_average=not train,
+            momentum=c.bn_momentum,
+            epsilon=c.bn_epsilon,
+            axis_name=c.bn_axis_name,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="bn1",
+        )(x)
+        x = nn.relu(x)
+        if c.stem == "imagenet":
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        for stage, num_blocks in enumerate(c.stage_sizes):
+            for block in range(num_blocks):
+                x = Bottleneck(
+                    features=c.width * 2**stage,
+                    strides=2 if stage > 0 and block == 0 else 1,
+                    name=f"layer{stage + 1}_{block}",
+                    **block_settings,
+                )(x, train=train)
+        x = jnp.mean(x, axis=(1, 2))  # global average pooling
+        logits = nn.Dense(
+            c.num_classes,
+            kernel_init=_linear_init,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="fc",
+        )(x)
+        return logits.astype(jnp.float32)
