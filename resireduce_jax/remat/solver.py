@@ -1,0 +1,566 @@
+"""The rotor dynamic program for memory-persistent checkpointing of a chain, and its plans.
+
+A *plan* for a chain of ``L`` stages is a tree that maps one-to-one onto nested
+``jax.checkpoint``: a sequence of items covering ``[0, L)``, where
+
+* :class:`RunStage` ``(s)`` runs stage ``s`` unwrapped: under ``jax.grad`` it keeps its
+  whole history (``F_all`` in the paper);
+* :class:`Checkpoint` ``(s, j, body)`` wraps stages ``[s, j)`` in one ``jax.checkpoint``:
+  the forward pass keeps only ``x_s`` (``F_ck`` then ``F_n``), and the backward pass
+  recomputes the segment following ``body``, itself a plan for ``[s, j)``.
+
+A stage nested in ``k`` checkpoints runs its forward ``k + 1`` times.
+
+The dynamic program is the persistent one of Beaumont et al. (§4, Theorem 1 and
+Algorithm 1), written for what JAX executes and what XLA reports:
+
+``C(m, s, t)`` is the least time to process the segment ``[s, t)`` (its forward, then its
+backward down to ``δ_s``) in ``m`` bytes, given that ``x_s`` and ``δ_t`` are held by the
+caller and that the parameter gradients of stages ``>= t`` are already written. Sizes:
+``a_i = |x_i|`` (and ``|δ_i|``), ``x̄_s`` what stage ``s`` keeps with full history
+(including ``x_{s+1}``), ``o_f``/``o_b`` forward/backward overheads, ``G_i`` the gradient
+bytes of stages ``>= i``; times ``u_f``/``u_b``, and ``u_r`` for computing only what a
+stage keeps for its backward pass.
+
+* one stage (``t = s + 1``): ``u_f + u_b`` if
+  ``m >= max(G_t + x̄_s + o_f(s), x̄_s + a_s + G_s + o_b(s))``;
+* "all" (stage ``s`` unwrapped, then ``[s+1, t)`` with ``x̄_s`` less memory):
+  ``u_f(s) + u_b(s) + C(m - x̄_s, s + 1, t)``, if
+  ``m >= max(G_t + x̄_s + o_f(s), x̄_s + a_{s+1} + a_s + G_s + o_b(s))``;
+* "leaf j" (``s < j < t``; checkpoint ``[s, j)``, then ``[j, t)`` holding ``x_j``, then the
+  recomputation of ``[s, j)`` holding ``δ_j``):
+  ``Σ_{k=s}^{j-1} u_f(k) + C(m - a_j, j, t) + C(m - a_j, s, j) - u_f(j-1) + u_r(j-1)``,
+  if ``m >= G_t + max_{s<=k<j} (a_k [k > s] + a_{k+1} + o_f(k))``. The recomputation of
+  ``[s, j)`` never needs ``x_j`` (it exists), and JAX prunes what only stage ``j - 1``'s
+  output needs (all of a linear layer, say), hence ``u_r`` instead of ``u_f`` there.
+
+Unlike the paper's model, parameter gradients count from the moment they are written:
+``memory_analysis()`` reports arguments + outputs + temporaries, but XLA places
+temporaries in output buffers that are not written yet, so the figure follows the live
+bytes, gradients included as they appear. Parameters, the chain input and the output
+cotangent are held throughout. Memory is discretised in ``slots`` slots (sizes rounded
+up, so predictions stay upper bounds of the model); the table is computed with numpy,
+vectorised over the memory axis and over all segments of one length: ``O(L³ · slots)``
+work.
+
+References:
+  Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
+  heterogeneous chains: how to train deep neural networks with limited memory",
+  arXiv:1911.13214 (ACM TOMS 2024), §4 (persistent schedules, dynamic program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from resireduce_jax.remat.costs import ChainCosts
+
+__all__ = [
+    "Checkpoint",
+    "Plan",
+    "PlanItem",
+    "RotorTable",
+    "RunStage",
+    "Solution",
+    "predict",
+    "solve",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStage:
+    """Run stage ``index`` unwrapped (keeps its full history for the backward pass)."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Wrap stages ``[start, end)`` in one ``jax.checkpoint``; recompute them per ``body``."""
+
+    start: int
+    end: int
+    body: tuple[PlanItem, ...]
+
+
+PlanItem = RunStage | Checkpoint
+
+
+def _item_span(item: PlanItem) -> tuple[int, int]:
+    if isinstance(item, RunStage):
+        return item.index, item.index + 1
+    return item.start, item.end
+
+
+def _check_items(items: Sequence[PlanItem], start: int, end: int) -> None:
+    position = start
+    for item in items:
+        if not isinstance(item, (RunStage, Checkpoint)):
+            raise ValueError(f"Plan items must be RunStage or Checkpoint, got {item!r}.")
+        lo, hi = _item_span(item)
+        if lo != position or hi <= lo:
+            raise ValueError(
+                f"Plan items must cover stages [{start}, {end}) in order without gaps; "
+                f"expected an item starting at stage {position}, got {item!r}."
+            )
+        if isinstance(item, Checkpoint):
+            _check_items(item.body, item.start, item.end)
+        position = hi
+    if position != end:
+        raise ValueError(f"Plan items cover stages [{start}, {position}), expected up to {end}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A memory-persistent checkpointing schedule for a chain of ``num_stages`` stages.
+
+    Attributes:
+      items: the top-level sequence of :class:`RunStage` / :class:`Checkpoint` items.
+      num_stages: ``L``.
+    """
+
+    items: tuple[PlanItem, ...]
+    num_stages: int
+
+    def __post_init__(self):
+        _check_items(self.items, 0, self.num_stages)
+
+    def forward_counts(self) -> np.ndarray:
+        """How many times each stage's forward runs under ``jax.grad`` (1 + nesting depth)."""
+        counts = np.zeros(self.num_stages, dtype=np.int64)
+
+        def visit(items, depth):
+            for item in items:
+                if isinstance(item, RunStage):
+                    counts[item.index] = depth + 1
+                else:
+                    visit(item.body, depth + 1)
+
+        visit(self.items, 0)
+        return counts
+
+    @property
+    def num_checkpoints(self) -> int:
+        def count(items):
+            return sum(1 + count(i.body) for i in items if isinstance(i, Checkpoint))
+
+        return count(self.items)
+
+    def compact(self) -> str:
+        """One line: stage indices, a checkpointed segment in brackets, e.g. ``[[0 1] 2] 3``."""
+
+        def render(items):
+            parts = []
+            for item in items:
+                if isinstance(item, RunStage):
+                    parts.append(str(item.index))
+                else:
+                    parts.append("[" + render(item.body) + "]")
+            return " ".join(parts)
+
+        return render(self.items)
+
+    def render(self, stage_names: Sequence[str] | None = None) -> str:
+        """A readable tree, one line per stage or checkpoint."""
+        lines: list[str] = []
+
+        def name(i):
+            return f"stage {i}" + (f" ({stage_names[i]})" if stage_names else "")
+
+        def visit(items, indent):
+            for item in items:
+                if isinstance(item, RunStage):
+                    lines.append("  " * indent + name(item.index))
+                else:
+                    lines.append("  " * indent + f"checkpoint stages {item.start}..{item.end - 1}:")
+                    visit(item.body, indent + 1)
+
+        visit(self.items, 0)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def as_json(self) -> Any:
+        """Nested lists: an int is a stage run unwrapped, a list is a checkpointed segment."""
+
+        def encode(items):
+            return [i.index if isinstance(i, RunStage) else encode(i.body) for i in items]
+
+        return encode(self.items)
+
+    @classmethod
+    def from_json(cls, nested: Any, num_stages: int) -> Plan:
+        """Inverse of :meth:`as_json`."""
+
+        def decode(entries):
+            items = []
+            for entry in entries:
+                if isinstance(entry, int):
+                    items.append(RunStage(entry))
+                else:
+                    body = decode(entry)
+                    items.append(Checkpoint(_item_span(body[0])[0], _item_span(body[-1])[1], body))
+            return tuple(items)
+
+        return cls(decode(nested), num_stages)
+
+    @classmethod
+    def unwrapped(cls, num_stages: int) -> Plan:
+        """The plan without any checkpoint (plain ``jax.grad``)."""
+        return cls(tuple(RunStage(i) for i in range(num_stages)), num_stages)
+
+
+class _Model:
+    """The rotor memory/time model in some unit (bytes, or integer slots)."""
+
+    def __init__(self, costs: ChainCosts, unit: float | None):
+        def conv(values):
+            values = np.asarray(values, dtype=np.float64)
+            if unit is None:
+                return values
+            return np.ceil(values / unit).astype(np.int64)
+
+        self.a = conv(costs.activation_bytes)
+        self.xbar = conv(costs.saved_bytes)
+        self.tf = conv(costs.forward_temp_bytes)
+        self.tb = conv(costs.backward_temp_bytes)
+        grads = conv(costs.grad_bytes)
+        # G[i]: gradient bytes of stages i..L-1 (G[L] = 0).
+        self.G = np.concatenate([np.cumsum(grads[::-1])[::-1], np.zeros(1, grads.dtype)])
+        self.fw = np.asarray(costs.forward_time, dtype=np.float64)
+        self.res = np.asarray(costs.residual_time, dtype=np.float64)
+        self.bw = np.asarray(costs.backward_time, dtype=np.float64)
+        n = len(self.fw)
+        self.n = n
+
+    def stage_step(self, s: int) -> Any:
+        """Memory to run stage s with full history then its backward, δ_{s+1} held outside."""
+        return max(
+            self.G[s + 1] + self.xbar[s] + self.tf[s],
+            self.xbar[s] + self.a[s] + self.G[s] + self.tb[s],
+        )
+
+    def all_step(self, s: int, t: int) -> Any:
+        """Memory of the "all" step at s inside [s, t) (excluding the rest of the segment)."""
+        return max(
+            self.G[t] + self.xbar[s] + self.tf[s],
+            self.xbar[s] + self.a[s + 1] + self.a[s] + self.G[s] + self.tb[s],
+        )
+
+    def forward_sweep(self, s: int, j: int, t: int) -> Any:
+        """Memory of running stages [s, j) without saving, inside [s, t)."""
+        k = np.arange(s, j)
+        held_input = np.where(k > s, self.a[k], 0)
+        return self.G[t] + np.max(held_input + self.a[k + 1] + self.tf[k])
+
+    def need(self, items: Sequence[PlanItem], t: int) -> Any:
+        """Memory the items covering [s, t) need, beyond x_s and δ_t (held by the caller)."""
+        first, rest = items[0], items[1:]
+        if isinstance(first, RunStage):
+            s = first.index
+            if not rest:
+                return self.stage_step(s)
+            return max(self.all_step(s, t), self.xbar[s] + self.need(rest, t))
+        s, j = first.start, first.end
+        sweep = self.forward_sweep(s, j, t)
+        if not rest:
+            return max(sweep, self.need(first.body, j))
+        return max(sweep, self.a[j] + self.need(rest, t), self.a[j] + self.need(first.body, j))
+
+
+def _held_bytes(costs: ChainCosts) -> int:
+    """Bytes held for the whole gradient computation outside the dynamic program.
+
+    The parameters and the chain input are arguments; the output cotangent ``δ_L`` is
+    counted at the size of ``x_L``. Gradients are counted as they are written (``G``).
+    """
+    return int(costs.param_bytes.sum() + costs.activation_bytes[0] + costs.activation_bytes[-1])
+
+
+def predict(plan: Plan, costs: ChainCosts) -> tuple[float, int]:
+    """The rotor model's time and peak memory (bytes) of a plan.
+
+    The memory includes parameters, gradients, the chain input and the output cotangent,
+    so it is comparable with the compiled peak of the whole gradient computation.
+
+    Args:
+      plan: a :class:`Plan` for ``costs.num_stages`` stages.
+      costs: the chain's :class:`ChainCosts`.
+
+    Returns:
+      ``(time, peak_bytes)``; time in ``costs.time_unit``.
+    """
+    if plan.num_stages != costs.num_stages:
+        raise ValueError(
+            f"The plan has {plan.num_stages} stages but the costs describe {costs.num_stages}."
+        )
+    time = _plan_time(plan, costs)
+    model = _Model(costs, unit=None)
+    peak = _held_bytes(costs) + float(model.need(plan.items, plan.num_stages))
+    return time, math.ceil(peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """A plan with the model's predictions.
+
+    Attributes:
+      plan: the :class:`Plan`.
+      time: predicted time (``costs.time_unit``), recomputations included.
+      memory: predicted peak bytes of the gradient computation (model, not compiled).
+      overhead: ``time / (no-remat time) - 1``.
+    """
+
+    plan: Plan
+    time: float
+    memory: int
+    overhead: float
+
+
+def _recomputation_time(plan: Plan, costs: ChainCosts) -> float:
+    """Time of the forward work that the checkpoints of ``plan`` redo.
+
+    The recomputation of a checkpointed segment runs its body; what the backward pass does
+    not read is pruned by JAX: the last item's output (the segment's output exists
+    already), so a last stage costs only its residuals (``residual_time``) and a last
+    nested checkpoint only its own recomputation.
+    """
+    fw, res = costs.forward_time, costs.residual_time
+
+    def redo(items) -> float:
+        total = 0.0
+        for k, item in enumerate(items):
+            last = k == len(items) - 1
+            if isinstance(item, RunStage):
+                total += res[item.index] if last else fw[item.index]
+            else:
+                if not last:
+                    total += float(fw[item.start : item.end].sum())
+                total += redo(item.body)
+        return total
+
+    def visit(items) -> float:
+        return sum(redo(i.body) for i in items if isinstance(i, Checkpoint))
+
+    return visit(plan.items)
+
+
+def _plan_time(plan: Plan, costs: ChainCosts) -> float:
+    base = float(costs.forward_time.sum() + costs.backward_time.sum())
+    return base + _recomputation_time(plan, costs)
+
+
+def _overhead(plan: Plan, costs: ChainCosts) -> float:
+    """Recomputation time relative to the time without checkpointing."""
+    base = float(costs.forward_time.sum() + costs.backward_time.sum())
+    return _recomputation_time(plan, costs) / base if base > 0 else 0.0
+
+
+def _shift_rows(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """``out[r, m] = rows[r, m - shifts[r]]`` (``inf`` where ``m < shifts[r]``)."""
+    index = np.arange(rows.shape[1])[None, :] - np.asarray(shifts)[:, None]
+    out = np.take_along_axis(rows, np.clip(index, 0, None), axis=1)
+    out[index < 0] = np.inf
+    return out
+
+
+class RotorTable:
+    """The solved dynamic program for a chain over a memory range.
+
+    Memory is discretised in slots of ``unit`` bytes from 0 to ``max_bytes`` (the model
+    peak of the plan without checkpoints, unless given): every plan the dynamic program
+    can produce for this chain, at any budget, is in :meth:`candidates`.
+
+    Args:
+      costs: the chain's :class:`ChainCosts`.
+      slots: number of memory slots (``M`` in the paper; 500 by default).
+      max_bytes: top of the memory range (total model peak, as :func:`predict` reports);
+        defaults to the model peak without checkpoints.
+    """
+
+    def __init__(self, costs: ChainCosts, slots: int = 500, max_bytes: float | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}.")
+        self.costs = costs
+        self.slots = slots
+        self.held = _held_bytes(costs)
+        n = costs.num_stages
+        unwrapped_need = float(_Model(costs, unit=None).need(Plan.unwrapped(n).items, n))
+        top = unwrapped_need if max_bytes is None else float(max_bytes) - self.held
+        if top <= 0:
+            raise ValueError(
+                f"max_bytes={max_bytes} leaves nothing for activations once parameters, "
+                f"gradients' holder and input ({self.held} bytes) are counted."
+            )
+        self.unit = top / slots
+        self._model = _Model(costs, unit=self.unit)
+        # Rounding up every size can make the unwrapped plan need a few slots more than
+        # `slots`; extend the table so that it is always reachable at the top.
+        unwrapped_slots = int(self._model.need(Plan.unwrapped(n).items, n))
+        self.size = max(slots, unwrapped_slots) if max_bytes is None else slots
+        self._solve()
+
+    def _solve(self) -> None:
+        md = self._model
+        n, size = md.n, self.size + 1
+        a, xbar = md.a, md.xbar
+        fw, bw = md.fw, md.bw
+        inf = np.inf
+        mem = np.arange(size)
+        # Tables indexed [length, start, m] so that, for a fixed segment length and split
+        # offset, the terms of every segment are contiguous slices (no gathers).
+        # Only entries [length, start <= n - length] are written and read.
+        cost = np.empty((n + 1, n + 1, size))
+        by_start = np.empty((n + 1, n + 1, size))  # C(m - a_s, s, s + length)
+        by_end = np.empty((n + 1, n + 1, size))  # C(m - a_t, s, t = s + length)
+        choice = np.empty((n + 1, n + 1, size), dtype=np.int32)
+        fw_cum = np.concatenate([[0.0], np.cumsum(fw)])
+        # The recomputation of [s, j) does not need x_j: stage j-1 redoes only its residuals.
+        pruned = fw - md.res
+
+        def store(d, starts, rows, picks):
+            ends = starts + d
+            cost[d, starts] = rows
+            choice[d, starts] = picks
+            by_start[d, starts] = _shift_rows(rows, a[starts])
+            by_end[d, starts] = _shift_rows(rows, a[ends])
+
+        starts = np.arange(n)
+        single_need = np.array([md.stage_step(s) for s in range(n)])
+        rows = np.where(mem[None, :] >= single_need[:, None], (fw + bw)[:, None], inf)
+        store(1, starts, rows, np.where(np.isfinite(rows), 0, -1))
+
+        for d in range(2, n + 1):
+            ns = n - d + 1
+            starts = np.arange(ns)
+            # "leaf j" for j = s + k, k = 1..d-1: C(m - a_j, j, s + d) + C(m - a_j, s, j),
+            # a running minimum over k on contiguous (start, m) planes.
+            best_cost = np.full((ns, size), inf)
+            best = np.zeros((ns, size), dtype=np.int32)
+            candidate = np.empty((ns, size))
+            for k in range(1, d):
+                np.add(by_start[d - k, k : k + ns], by_end[k, :ns], out=candidate)
+                candidate += (fw_cum[k : k + ns] - fw_cum[:ns] - pruned[k - 1 : k - 1 + ns])[
+                    :, None
+                ]
+                better = candidate < best_cost
+                np.copyto(best_cost, candidate, where=better)
+                best[better] = k
+            # "all": stage s unwrapped, then [s + 1, s + d) with x̄_s less memory.
+            rows = _shift_rows(cost[d - 1, 1 : ns + 1], xbar[starts]) + (fw + bw)[:ns, None]
+            all_need = np.array([md.all_step(s, s + d) for s in starts])
+            rows[mem[None, :] < all_need[:, None]] = inf
+            take_leaf = best_cost < rows
+            picks = np.where(take_leaf, best + starts[:, None], 0)
+            rows = np.where(take_leaf, best_cost, rows)
+            picks[~np.isfinite(rows)] = -1
+            store(d, starts, rows, picks)
+        # The forward sweep of a checkpointed segment [s, j) never needs more than its own
+        # recomputation with δ_j held (a_j + need([s, j)) >= G_t + sweep(s, j)), so the
+        # sweep constraint of "leaf j" is implied by the finiteness of C(m - a_j, s, j).
+        self._cost = cost
+        self._choice = choice
+
+    def _items(self, s: int, t: int, m: int) -> tuple[PlanItem, ...]:
+        md = self._model
+        items: list[PlanItem] = []
+        while True:
+            if t == s + 1:
+                items.append(RunStage(s))
+                return tuple(items)
+            j = int(self._choice[t - s, s, m])
+            if j < 0:
+                raise AssertionError(f"no feasible choice at ({s}, {t}, {m})")
+            if j == 0:
+                items.append(RunStage(s))
+                m -= int(md.xbar[s])
+                s += 1
+            else:
+                m -= int(md.a[j])
+                items.append(Checkpoint(s, j, self._items(s, j, m)))
+                s = j
+
+    @property
+    def min_slots(self) -> int | None:
+        """Fewest slots (beyond the held bytes) in which the dynamic program finds a plan."""
+        feasible = np.flatnonzero(np.isfinite(self._cost[self._model.n, 0]))
+        return int(feasible[0]) if len(feasible) else None
+
+    @property
+    def min_bytes(self) -> int | None:
+        """Model peak of the plan that needs least memory (``None`` if none fits the table)."""
+        m = self.min_slots
+        if m is None:
+            return None
+        plan = self.plan_at_slots(m)
+        assert plan is not None
+        return predict(plan, self.costs)[1]
+
+    def plan_at_slots(self, m: int) -> Plan | None:
+        """The fastest plan in ``m`` slots (beyond the held bytes), or ``None``."""
+        m = min(int(m), self.size)
+        n = self._model.n
+        if m < 0 or not np.isfinite(self._cost[n, 0, m]):
+            return None
+        return Plan(self._items(0, n, m), n)
+
+    def plan_for(self, memory_bytes: float) -> Plan | None:
+        """The fastest plan whose (discretised) model peak fits ``memory_bytes``."""
+        return self.plan_at_slots(math.floor((memory_bytes - self.held) / self.unit))
+
+    def candidates(self) -> list[Solution]:
+        """Every distinct plan of the table, fastest (most memory) first."""
+        n = self._model.n
+        row = self._cost[n, 0]
+        out: list[Solution] = []
+        for m in range(self.size, -1, -1):
+            if not np.isfinite(row[m]):
+                break
+            plan = Plan(self._items(0, n, m), n)
+            if out and out[-1].plan == plan:
+                continue
+            time, memory = predict(plan, self.costs)
+            out.append(Solution(plan, time, memory, _overhead(plan, self.costs)))
+        return out
+
+
+def solve(costs: ChainCosts, memory_bytes: float, slots: int = 500) -> Solution:
+    """The fastest persistent checkpointing plan whose model peak fits ``memory_bytes``.
+
+    This is the model-level answer (no compilation); :func:`resireduce_jax.remat.
+    checkpoint_chain` calibrates it against XLA's compiled peak.
+
+    Args:
+      costs: the chain's :class:`ChainCosts` (from :func:`measure_chain`).
+      memory_bytes: model budget for the whole gradient computation (parameters,
+        gradients, input and activations), as :func:`predict` counts it.
+      slots: memory discretisation (``M``).
+
+    Returns:
+      The :class:`Solution`.
+
+    Raises:
+      ValueError: if no plan fits; the message states the smallest budget that does.
+    """
+    n = costs.num_stages
+    unwrapped = Plan.unwrapped(n)
+    unwrapped_time, unwrapped_memory = predict(unwrapped, costs)
+    if memory_bytes >= unwrapped_memory:
+        return Solution(unwrapped, unwrapped_time, unwrapped_memory, 0.0)
+    table = RotorTable(costs, slots=slots, max_bytes=memory_bytes)
+    plan = table.plan_at_slots(slots)
+    if plan is None:
+        floor = RotorTable(costs, slots=slots).min_bytes
+        raise ValueError(
+            f"No checkpointing plan fits a model budget of {int(memory_bytes)} bytes; the "
+            f"smallest the model allows for this chain is about {floor} bytes "
+            f"({floor / 2**20:.1f} MiB, parameters and gradients included)."
+        )
+    time, memory = predict(plan, costs)
+    return Solution(plan, time, memory, _overhead(plan, costs))
