@@ -185,6 +185,9 @@ def _np_fused_attention(x, p_qkv, p_proj, heads, allowed=None):
 
 
 ALL_NAMES = {
+    "bert_base",
+    "bert_large",
+    "digits_mlp",
     "resnet50_cifar",
     "vgg19_bn",
     "gpt2_small",
@@ -347,6 +350,8 @@ def test_vit_parameter_names_and_layouts():
         ("vit_l16", (2, 1000)),
         ("resnet50_cifar", (2, 100)),
         ("vgg19_bn", (2, 1000)),
+        ("bert_large", ((2, 384), (2, 384))),
+        ("digits_mlp", (2, 10)),
     ],
 )
 def test_full_size_apply_shapes(name, output_shape):
@@ -356,7 +361,8 @@ def test_full_size_apply_shapes(name, output_shape):
     inputs = {k: batch[k] for k in config.input_names}
     variables = models.abstract_variables(name)
     out = jax.eval_shape(lambda v, x: model.apply(v, **x), variables, inputs)
-    assert jax.tree.map(lambda o: (o.shape, o.dtype), out) == (output_shape, jnp.float32)
+    assert jax.tree.map(lambda o: o.shape, out) == output_shape
+    assert {o.dtype for o in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -695,6 +701,159 @@ def test_vgg_rejects_too_small_images():
 
 
 # ---------------------------------------------------------------------------------------
+# BERT with a SQuAD head, and the small CPU models
+
+
+def _bert_shapes(layers, width, vocab=30522, positions=512, types=2):
+    d, shapes = width, {}
+    for table, rows in [("word", vocab), ("position", positions), ("token_type", types)]:
+        shapes[f"embeddings/{table}_embeddings/embedding"] = (rows, d)
+    shapes["embeddings/LayerNorm/scale"] = shapes["embeddings/LayerNorm/bias"] = (d,)
+    for i in range(layers):
+        prefix = f"encoder/layer_{i}"
+        for sub, fan_in, fan_out in [
+            ("attention/self/query", d, d),
+            ("attention/self/key", d, d),
+            ("attention/self/value", d, d),
+            ("attention/output/dense", d, d),
+            ("intermediate/dense", d, 4 * d),
+            ("output/dense", 4 * d, d),
+        ]:
+            shapes[f"{prefix}/{sub}/kernel"] = (fan_in, fan_out)
+            shapes[f"{prefix}/{sub}/bias"] = (fan_out,)
+        for ln in ("attention/output/LayerNorm", "output/LayerNorm"):
+            shapes[f"{prefix}/{ln}/scale"] = shapes[f"{prefix}/{ln}/bias"] = (d,)
+    shapes |= {"qa_outputs/kernel": (d, 2), "qa_outputs/bias": (2,)}
+    return shapes
+
+
+@pytest.mark.parametrize(
+    "name, layers, width, published_millions",
+    [("bert_base", 12, 768, 108.9), ("bert_large", 24, 1024, 334.1)],
+)
+def test_bert_parameter_names_shapes_and_count(name, layers, width, published_millions):
+    expected = _bert_shapes(layers, width)
+    params = _params(name)
+    assert _shapes(params) == expected
+    head = 2 * width + 2
+    count = _count(params)
+    assert count == sum(math.prod(s) for s in expected.values())
+    assert round((count - head) / 1e6, 1) == published_millions  # encoder without the head
+    assert models.example_batch(name, 1)["input_ids"].shape == (1, 384)  # SQuAD length
+
+
+def _np_bert(p, input_ids, token_type_ids, attention_mask, config):
+    e, eps = p["embeddings"], config.layer_norm_epsilon
+    length = input_ids.shape[1]
+    x = (
+        e["word_embeddings"]["embedding"][input_ids]
+        + e["position_embeddings"]["embedding"][np.arange(length)]
+        + e["token_type_embeddings"]["embedding"][token_type_ids]
+    )
+    x = _np_layer_norm(x, e["LayerNorm"], eps)
+    allowed = np.broadcast_to(attention_mask[:, None, :] > 0, (len(x), length, length))
+    for i in range(config.num_layers):
+        layer = p["encoder"][f"layer_{i}"]
+        a = layer["attention"]
+        q, k, v = (_np_dense(x, a["self"][n]) for n in ("query", "key", "value"))
+        context = _np_attention(q, k, v, config.num_heads, allowed)
+        x = _np_layer_norm(
+            x + _np_dense(context, a["output"]["dense"]), a["output"]["LayerNorm"], eps
+        )
+        h = _np_gelu_erf(_np_dense(x, layer["intermediate"]["dense"]))
+        x = _np_layer_norm(
+            x + _np_dense(h, layer["output"]["dense"]), layer["output"]["LayerNorm"], eps
+        )
+    logits = _np_dense(x, p["qa_outputs"])
+    return logits[..., 0], logits[..., 1]
+
+
+_TINY_BERT = dict(
+    vocab_size=50, max_len=16, type_vocab_size=2, num_layers=2, width=32, num_heads=4, seq_len=10
+)
+
+
+def _bert_batch_with_padding():
+    config, model, variables, batch = _tiny("bert_base", **_TINY_BERT)
+    batch = dict(batch)
+    mask = np.ones((2, 10), np.int32)
+    mask[1, 6:] = 0  # the second sequence has 4 padding tokens
+    batch["attention_mask"] = mask
+    batch["token_type_ids"] = (np.arange(10) >= 4).astype(np.int32)[None].repeat(2, 0)
+    return config, model, variables, batch
+
+
+def test_bert_matches_numpy_reference_with_padding():
+    config, model, variables, batch = _bert_batch_with_padding()
+    start, end = _apply(model)(variables, **_inputs(config, batch))
+    assert start.shape == end.shape == (2, 10) and start.dtype == jnp.float32
+    expected = _np_bert(
+        _np(variables["params"]),
+        batch["input_ids"],
+        batch["token_type_ids"],
+        batch["attention_mask"],
+        config,
+    )
+    chex.assert_trees_all_close((start, end), expected, rtol=1e-4, atol=1e-4)
+
+    # Padding is never attended to: changing padded tokens leaves real tokens' logits alone.
+    changed = dict(batch, input_ids=batch["input_ids"].copy())
+    changed["input_ids"][1, 6:] = (changed["input_ids"][1, 6:] + 7) % config.vocab_size
+    start2, end2 = _apply(model)(variables, **_inputs(config, changed))
+    np.testing.assert_allclose(start2[1, :6], start[1, :6], atol=1e-5)
+    np.testing.assert_allclose(end2[:, :6], end[:, :6], atol=1e-5)
+    assert not np.allclose(start2[1, 6:], start[1, 6:])
+
+
+def test_bert_optional_inputs_and_errors():
+    _config, model, variables, batch = _tiny("bert_base", **_TINY_BERT)
+    ids = jnp.asarray(batch["input_ids"])
+    defaults = jax.jit(model.apply)(variables, ids)
+    explicit = jax.jit(model.apply)(variables, ids, jnp.zeros_like(ids), jnp.ones_like(ids))
+    chex.assert_trees_all_close(defaults, explicit, atol=1e-6)
+    with pytest.raises(ValueError, match="must match"):
+        model.apply(variables, ids, jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="exceeds the 16 learned positions"):
+        model.apply(variables, jnp.zeros((1, 17), jnp.int32))
+
+
+_TINY_MLP = dict(num_layers=3, width=16, num_classes=4)
+
+
+def test_digits_mlp_layout_and_numpy_reference():
+    params = _params("digits_mlp")
+    expected = {"hidden_0/kernel": (64, 256), "head/kernel": (256, 10), "head/bias": (10,)}
+    expected |= {f"hidden_{i}/kernel": (256, 256) for i in (1, 2, 3)}
+    expected |= {f"hidden_{i}/bias": (256,) for i in range(4)}
+    assert _shapes(params) == expected
+    # Adjacent same-shape hidden kernels, each large enough to be compressed.
+    hidden = [s for p, s in expected.items() if p.startswith("hidden") and p.endswith("kernel")]
+    assert len(hidden) == 4 and all(math.prod(s) >= 10_000 for s in hidden)
+
+    _config, model, variables, batch = _tiny("digits_mlp", **_TINY_MLP)
+    p, x = _np(variables["params"]), batch["image"].reshape(2, -1)
+    for i in range(3):
+        x = _np_relu(_np_dense(x, p[f"hidden_{i}"]))
+    logits = _apply(model)(variables, batch["image"])
+    np.testing.assert_allclose(logits, _np_dense(x, p["head"]), rtol=1e-5, atol=1e-5)
+    flat = _apply(model)(variables, batch["image"].reshape(2, 64))  # sklearn's flat rows
+    np.testing.assert_allclose(flat, logits, rtol=1e-6)
+
+
+def test_byte_gpt_defaults():
+    config = models.get_config("byte_gpt")
+    assert (config.vocab_size, config.num_layers, config.width, config.num_heads) == (
+        256,
+        4,
+        128,
+        4,
+    )
+    assert config.max_len == 128 and config.sequence_length == 128
+    assert models.example_batch("byte_gpt", 2)["tokens"].shape == (2, 128)
+    assert _count(_params("byte_gpt")) == _gpt2_count(4, 128, vocab=256, positions=128)
+
+
+# ---------------------------------------------------------------------------------------
 # Behaviour common to all models: gradients, dropout, dtypes
 
 # Reduced sizes of each architecture (the same as the numpy comparisons: compiling and
@@ -705,6 +864,8 @@ TINY = {
     "vit_b16": _TINY_VIT,
     "resnet50_cifar": _TINY_RESNET,
     "vgg19_bn": _TINY_VGG,
+    "bert_base": _TINY_BERT,
+    "digits_mlp": _TINY_MLP,
 }
 # byte_gpt is GPT-2 at another size: its gradients are covered by gpt2_small's.
 GRADIENT_MODELS = sorted(set(TINY) - {"byte_gpt"})
@@ -714,6 +875,7 @@ DROPOUT_SITES = {
     # pos; attn probs (off by default), proj, fc1 activation, fc2
     "vit_b16": lambda c: 1 + (3 + (c.attention_dropout_rate > 0)) * c.num_layers,
     "vgg19_bn": lambda c: 2,  # after classifier_0 and classifier_3
+    "bert_base": lambda c: 1 + 3 * c.num_layers,  # embeddings; attn probs, attn out, output
 }
 
 
@@ -790,7 +952,8 @@ def test_computation_and_parameter_dtypes(name):
     assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
     fn = lambda v, x: model.apply(v, **x)
     assert _matmul_dtypes(fn, variables, inputs) == {jnp.dtype(jnp.bfloat16)}
-    assert jax.eval_shape(fn, variables, inputs).dtype == jnp.float32  # logits in float32
+    out = jax.tree.leaves(jax.eval_shape(fn, variables, inputs))
+    assert {o.dtype for o in out} == {jnp.dtype(jnp.float32)}  # logits in float32
     half = models.abstract_variables(name, **TINY[name], param_dtype=jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(half["params"])} == {jnp.dtype(jnp.bfloat16)}
     # Flax keeps BatchNorm's running statistics in float32 whatever param_dtype is.
@@ -798,17 +961,36 @@ def test_computation_and_parameter_dtypes(name):
 
 
 def test_blocks_are_standalone_stages():
-    from resireduce_jax.models import gpt2, vit
+    from resireduce_jax.models import bert, gpt2, resnet, vit
 
-    for block, config in [
-        (gpt2.Block, models.get_config("gpt2_small", **_TINY_GPT)),
-        (vit.Block, models.get_config("vit_b16", **_TINY_VIT)),
+    tokens = jax.ShapeDtypeStruct((2, 5, 32), jnp.float32)
+    for block, config, children in [
+        (gpt2.Block, models.get_config("gpt2_small", **_TINY_GPT), {"ln_1", "attn", "ln_2", "mlp"}),
+        (vit.Block, models.get_config("vit_b16", **_TINY_VIT), {"norm1", "attn", "norm2", "mlp"}),
+        (
+            bert.Layer,
+            models.get_config("bert_base", **_TINY_BERT),
+            {"attention", "output", "intermediate"},
+        ),
     ]:
-        x = jax.ShapeDtypeStruct((2, 5, 32), jnp.float32)
         stage = block(config)
-        variables = jax.eval_shape(lambda x, stage=stage: stage.init(jax.random.key(1), x), x)
-        assert set(variables["params"]) >= {"attn", "mlp"}
-        assert jax.eval_shape(stage.apply, variables, x) == x
+        variables = jax.eval_shape(lambda x, s=stage: s.init(jax.random.key(1), x), tokens)
+        assert set(variables["params"]) == children
+        assert jax.eval_shape(stage.apply, variables, tokens) == tokens
+
+    image = jax.ShapeDtypeStruct((2, 8, 8, 16), jnp.float32)
+    stage = resnet.Bottleneck(features=8, strides=2)
+    variables = jax.eval_shape(lambda x: stage.init(jax.random.key(1), x), image)
+    assert "downsample_conv" in variables["params"]
+    out = jax.eval_shape(
+        lambda v, x: stage.apply(v, x, train=True, mutable=["batch_stats"]), variables, image
+    )
+    assert out[0].shape == (2, 4, 4, 32)
+    identity = resnet.Bottleneck(features=4)  # 16 -> 16 channels, stride 1: no projection
+    assert (
+        "downsample_conv"
+        not in jax.eval_shape(lambda x: identity.init(jax.random.key(1), x), image)["params"]
+    )
 
 
 def test_initializers():

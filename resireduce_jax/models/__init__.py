@@ -7,7 +7,7 @@ implementations, so regex rules written for the PyTorch layer names carry over; 
 ``docs/models.md`` for the full naming contract and how to call each model.
 """
 
-from resireduce_jax.models import attention, gpt2, resnet, vgg, vit
+from resireduce_jax.models import attention, bert, gpt2, mlp, resnet, vgg, vit
 from resireduce_jax.models.config import ModelConfig
 from resireduce_jax.models.registry import (
     MODELS,
@@ -22,10 +22,12 @@ __all__ = [
     "ModelConfig",
     "abstract_variables",
     "attention",
+    "bert",
     "example_batch",
     "get_config",
     "get_model",
     "gpt2",
+    "mlp",
     "resnet",
     "vgg",
     "vit",

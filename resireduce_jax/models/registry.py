@@ -13,8 +13,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from resireduce_jax.models.bert import BertConfig
 from resireduce_jax.models.config import ModelConfig
 from resireduce_jax.models.gpt2 import GPT2Config
+from resireduce_jax.models.mlp import MLPConfig
 from resireduce_jax.models.resnet import ResNetConfig
 from resireduce_jax.models.vgg import VGGConfig
 from resireduce_jax.models.vit import ViTConfig
@@ -30,6 +32,8 @@ MODELS: dict[str, ModelConfig] = {
     "gpt2_small": GPT2Config(num_layers=12, width=768, num_heads=12),
     "gpt2_medium": GPT2Config(num_layers=24, width=1024, num_heads=16),
     "gpt2_large": GPT2Config(num_layers=36, width=1280, num_heads=20),
+    # scikit-learn's 8x8 digits: 64 -> 256 x 4 -> 10, for the embedded CPU training job.
+    "digits_mlp": MLPConfig(),
     # GPT-2 on raw bytes for the embedded CPU training job. Dropout off: short runs on a
     # few hundred KB of text are far from overfitting.
     "byte_gpt": GPT2Config(
@@ -41,6 +45,9 @@ MODELS: dict[str, ModelConfig] = {
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
     ),
+    # Devlin et al. 2018, Table/§3: BERT-base and BERT-large, with a SQuAD span head.
+    "bert_base": BertConfig(num_layers=12, width=768, num_heads=12),
+    "bert_large": BertConfig(num_layers=24, width=1024, num_heads=16),
     # Dosovitskiy et al. 2021, Table 1 (ViT-S: Touvron et al. 2021 / Steiner et al. 2022).
     "vit_s16": ViTConfig(num_layers=12, width=384, num_heads=6),
     "vit_b16": ViTConfig(num_layers=12, width=768, num_heads=12),
