@@ -150,7 +150,7 @@ def _official_adan_numpy(
             nesterov = diff * b2 + grad
             exp_avg_sq[k] = exp_avg_sq[k] * b3 + (1 - b3) * nesterov * nesterov
             denom = np.sqrt(exp_avg_sq[k]) / np.sqrt(bc3) + eps
-            wd = weight_decay if decayed[k] else 0.0
+            wd = weight_decay if decayed.get(k, False) else 0.0
             step_m, step_v = lr / bc1, lr * b2 / bc2
             if no_prox:
                 p[k] = p[k] * (1 - lr * wd)
@@ -203,6 +203,41 @@ def test_adan_r_matches_official_adan(no_prox, max_grad_norm):
         )
     # The problem is not trivial: weight decay and (when on) clipping matter.
     assert np.abs(ref["kernel"] - np.asarray(params["kernel"])).max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "betas", [(0.0, 0.0, 0.5), (0.9, 0.0, 0.999)], ids=["all-zero-ish", "b2=0"]
+)
+def test_adan_r_matches_official_adan_at_edge_betas(betas):
+    """b2 = 0 takes the special path (v = plain gradient difference); b1 = 0 too."""
+    params, steps = _flat_params(), 30
+    noise = _noise(params, steps)
+    b1, b2, b3 = betas
+    hp = dict(lr=1e-2, b1=b1, b2=b2, b3=b3, eps=1e-8, weight_decay=0.0)
+    ref, _ = _official_adan_numpy(
+        params, noise, steps, no_prox=False, max_grad_norm=None, decayed={}, **hp
+    )
+    p, _ = _trajectory(opt.adan_r(1e-2, b1=b1, b2=b2, b3=b3), params, noise, steps)
+    for k in ref:
+        np.testing.assert_allclose(np.asarray(p[k], np.float64), ref[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adan_r", "lion_r"])
+def test_bfloat16_parameters_keep_their_dtype(name):
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _flat_params())
+    steps = 20
+    tx = {
+        "adan_r": opt.adan_r(1e-2, weight_decay=0.02, max_grad_norm=5.0),
+        "lion_r": opt.lion_r(1e-3),
+    }[name]
+    p, state = _trajectory(tx, params, _noise(params, steps), steps)
+    for leaf in jax.tree.leaves((p, state)):
+        if leaf.ndim:
+            assert leaf.dtype == jnp.bfloat16
+            assert np.isfinite(np.asarray(leaf, np.float32)).all()
+    assert (
+        np.abs(np.asarray(p["head"], np.float32) - np.asarray(params["head"], np.float32)).max() > 0
+    )
 
 
 def test_optax_adan_departs_from_official_adan_from_step_two():
