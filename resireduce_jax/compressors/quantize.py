@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from resireduce_jax.compressors.base import Compressor, check_int, gathered_mean
 
@@ -229,49 +230,54 @@ class NaturalCompression(Compressor):
     ``2^(E+1)`` (the largest entry rounded up) down to ``2^(E-125)``. Entries below
     ``2^(E-125)`` (126 binades under the largest, far below float32 resolution of any sum
     with it) are rounded stochastically between ``0`` and ``2^(E-125)``, which keeps the
-    estimate unbiased; decoded magnitudes under float32's smallest normal (``2^-126``)
-    flush to zero. Float16/bfloat16 leaves are quantized in float32 and cast back, which
-    adds that dtype's rounding. Exchange: all-gather both, decode each worker's payload,
-    average in worker order.
+    estimate unbiased. Limits of float32: subnormal inputs (``|x| < 2^-126``) and decoded
+    values under ``2^-126`` flush to zero; a leaf whose largest entry is ``>= 2^127`` may
+    round it up to ``inf``; inputs must be finite. Float16/bfloat16 leaves are quantized in
+    float32 and cast back, which adds that dtype's rounding.
+
+    Implementation: exponent, mantissa and sign are read from the float32 bit pattern;
+    rounding up with probability ``mantissa / 2^23`` is an exact integer comparison with 23
+    random bits. Exchange: all-gather both, decode each worker's payload, average in
+    worker order.
     """
 
     name: ClassVar[str] = "natural"
     biased: ClassVar[bool] = False
     randomness: ClassVar[str] = "per_worker"
 
-    CODE_RANGE: ClassVar[int] = 127  # codes 1..127 cover exponents E+1 .. E-125
-
     def compress(self, x, state, key):
         key = _require_key(key, "natural")
-        flat = x.ravel().astype(jnp.float32)
-        magnitudes = jnp.abs(flat)
-        largest = jnp.max(magnitudes)
-        # frexp: m in [0.5, 1), |x| = m 2^p, so floor(log2 |x|) = p - 1 (exact, no log).
-        max_exponent = jnp.where(largest > 0, jnp.frexp(largest)[1] - 1, 0).astype(jnp.int32)
-        lowest = max_exponent + 1 - (self.CODE_RANGE - 1)  # exponent of code 127
-        exponent = jnp.frexp(magnitudes)[1] - 1
-        below = exponent < lowest
-        exponent = jnp.maximum(exponent, lowest)
-        base = jnp.ldexp(jnp.ones_like(magnitudes), exponent)  # 2^e, exact
-        # Up-probability: |x|/2^e - 1 in [0, 1) above the range; |x|/2^lowest below it.
-        fraction = jnp.where(below, magnitudes / base, magnitudes / base - 1.0)
-        up = _round_up_probability(fraction, key)
-        # Above the range: 2^e or 2^(e+1); below it: 0 or 2^lowest (exponent == lowest).
-        rounded_exponent = exponent + (up & ~below).astype(jnp.int32)
-        code = (max_exponent + 2 - rounded_exponent).astype(jnp.int32)
-        zero = (magnitudes == 0) | (below & ~up)
-        code = jnp.where(zero, 0, code)
-        sign = jnp.where(flat < 0, 128, 0)
-        return NaturalPayload((sign | code).astype(jnp.uint8), max_exponent), state
+        # Work on the float32 bit pattern: sign | 8-bit biased exponent | 23-bit mantissa.
+        bits = lax.bitcast_convert_type(x.ravel().astype(jnp.float32), jnp.uint32)
+        magnitude_bits = bits & 0x7FFFFFFF
+        exponent = (magnitude_bits >> 23).astype(jnp.int32)  # biased; 0: zero/subnormal
+        mantissa = (magnitude_bits & 0x7FFFFF).astype(jnp.int32)
+        top = jnp.max(exponent)  # biased exponent of max |x|
+        lowest = top - 125  # biased exponent of code 127
+        random = (jax.random.bits(key, bits.shape, jnp.uint32) >> 9).astype(jnp.int32)
+        # In range: |x| = 2^e (1 + mantissa / 2^23) rounds up to 2^(e+1) with probability
+        # mantissa / 2^23, compared exactly on 23 random bits.
+        in_range = exponent >= jnp.maximum(lowest, 1)
+        up = random < mantissa
+        code = jnp.where(in_range, top + 2 - (exponent + up.astype(jnp.int32)), 0)
+        # Below the range (normal numbers only): 0 or 2^lowest with probability |x| / 2^lowest.
+        below = (exponent >= 1) & ~in_range
+        inverse_low = lax.bitcast_convert_type(
+            (jnp.clip(254 - lowest, 1, 254).astype(jnp.uint32) << 23), jnp.float32
+        )  # 2^-(lowest - 127), a normal float whenever `below` can hold
+        fraction = lax.bitcast_convert_type(magnitude_bits, jnp.float32) * inverse_low
+        up_below = random.astype(jnp.float32) * (2.0**-23) < fraction
+        code = jnp.where(below & up_below, 127, code)
+        codes = (bits >> 24).astype(jnp.uint8) & 128 | code.astype(jnp.uint8)
+        return NaturalPayload(codes, (top - 127).astype(jnp.int32)), state
 
     def decompress(self, payload: NaturalPayload, like):
-        codes = payload.codes.astype(jnp.int32)
-        code = codes & 127
-        exponent = payload.max_exponent + 2 - code
-        magnitude = jnp.where(
-            code == 0, 0.0, jnp.ldexp(jnp.ones(code.shape, jnp.float32), exponent)
-        )
-        values = jnp.where(codes >= 128, -magnitude, magnitude)
+        codes = payload.codes.astype(jnp.uint32)
+        code = (codes & 127).astype(jnp.int32)
+        exponent = payload.max_exponent + 127 + 2 - code  # biased exponent of the value
+        valid = (code > 0) & (exponent >= 1)  # underflow below 2^-126 decodes to 0
+        value_bits = ((codes >> 7) << 31) | (jnp.clip(exponent, 0, 255).astype(jnp.uint32) << 23)
+        values = lax.bitcast_convert_type(jnp.where(valid, value_bits, 0), jnp.float32)
         return values.reshape(like.shape).astype(like.dtype)
 
     def aggregate(self, payload: NaturalPayload, like, axis_name):
