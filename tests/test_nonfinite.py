@@ -45,6 +45,7 @@ EXCHANGES = {
         selection="softmax_sample",
         min_size=MIN_SIZE,
     ),
+    "powersgd-ef": lambda: rr.error_feedback(rr.compressors.powersgd(rank=2), min_size=MIN_SIZE),
     "randomk-none": lambda: rr.compressed_mean(rr.compressors.randomk(0.05), min_size=MIN_SIZE),
 }
 

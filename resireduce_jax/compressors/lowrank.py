@@ -141,17 +141,21 @@ class PowerSGD(Compressor):
             "axis_name) (what the transforms do)."
         )
 
-    def reduce(self, x, state, key, axis_name) -> Reduced:
+    def reduce(self, x, state, key, axis_name, skip=None) -> Reduced:
         del key
         m = self._matrix(x)
         p = dense_mean(m @ state, axis_name)
         p = orthonormalize(p)
         q = dense_mean(m.T @ p, axis_name)
         approx = p @ q.T
+        new_state = self._keep_nonzero_columns(q, state)
+        if skip is not None:  # a skipped step: nothing sent, residual and Q unchanged
+            approx = jnp.where(skip, jnp.zeros((), approx.dtype), approx)
+            new_state = jnp.where(skip, state, new_state)
         return Reduced(
             mean=approx.reshape(x.shape),
             residual=(m - approx).reshape(x.shape),
-            state=self._keep_nonzero_columns(q, state),
+            state=new_state,
         )
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
