@@ -26,7 +26,7 @@ def get_config():
     c.compression.density = 0.01
     c.compression.min_size = 10_000
     c.compression.grouping = "auto"
-    c.compression.intra_layers = "auto"
+    c.compression.intra_layers = "hidden_0/kernel"  # input layer: a singleton, 2-D reduced
     c.log_every = 20
     c.eval_every = 200
     c.checkpoint_every = 200

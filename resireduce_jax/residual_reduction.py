@@ -25,6 +25,7 @@ residual is alive at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -54,7 +55,13 @@ from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
 PyTree = Any
 IntraLayers = str | Callable[[str, tuple[int, ...]], bool]
 
-__all__ = ["INTRA_AUTO_SHARE", "ResiReduceState", "plan_stores", "resireduce"]
+__all__ = [
+    "INTRA_AUTO_SHARE",
+    "ResiReduceState",
+    "average_over_workers",
+    "plan_stores",
+    "resireduce",
+]
 
 INTER_MODES = ("none", "average", "weighted")
 INTRA_MODES = ("none", "rows", "2d")
@@ -392,3 +399,42 @@ def _update_shared(plan, stored, leaves, exchange, previous_group):
             weight = stores.residual_weight(r, plan.phi)
         acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
     return acc.finish(plan)
+
+
+def average_over_workers(
+    residuals: dict[str, Any], plans: list[stores.StorePlan], num_workers: int
+) -> dict[str, Any]:
+    """Per-worker residual stores of ``W_old`` workers -> ``num_workers`` equal copies.
+
+    For restarting on another number of workers: every new worker gets the old workers'
+    mean residual, so the update still owed, ``mean_w R_w``, is preserved. Dense stores are
+    averaged exactly; intra-layer stores (rows / 2d) are densified per old worker,
+    averaged, and re-selected (top rows/columns by L1 norm of the mean), losing what the
+    mean keeps outside the new selection, as any step of ResiReduce-d/-2d does.
+
+    Args:
+      residuals: ``ResiReduceState.residuals`` with a leading old-worker axis on every array.
+      plans: :func:`plan_stores` of the same params and options.
+      num_workers: the new number of workers.
+
+    Returns:
+      The residuals with a leading axis of ``num_workers``.
+    """
+    by_label = {p.group.label: p for p in plans}
+    out = {}
+    for label, stored in residuals.items():
+        plan = by_label[label]
+        old_workers = jax.tree.leaves(stored)[0].shape[0]
+        dense = [
+            stores.densify(plan, jax.tree.map(lambda x, w=w: x[w], stored))
+            for w in range(old_workers)
+        ]
+        mean = sum(d.astype(jnp.float32) for d in dense) / old_workers
+        if plan.kind in ("rows", "2d"):
+            kept = stores.compress_residual(dataclasses.replace(plan, selection="top"), mean, None)
+        else:
+            kept = mean.astype(plan.dtype)
+        out[label] = jax.tree.map(
+            lambda x: np.broadcast_to(np.asarray(x), (num_workers, *x.shape)).copy(), kept
+        )
+    return out

@@ -48,6 +48,7 @@ __all__ = [
     "WeightedSum",
     "compensate",
     "compress_residual",
+    "densify",
     "init_store",
     "matrix_view",
     "residual_weight",
@@ -250,3 +251,11 @@ def compress_residual(plan: StorePlan, r: jax.Array, key: jax.Array | None) -> A
     cols = _select(col_norms, plan.keep_cols, plan.selection, key_cols)
     i0, i1 = _axis_indices(view, rows, cols)
     return BlockResidual(rows, cols, m[i0[:, None], i1[None, :]].astype(plan.dtype))
+
+
+def densify(plan: StorePlan, stored: Any) -> jax.Array:
+    """The stored residual as a dense leaf-shaped array (zeros where nothing is kept)."""
+    if plan.kind not in ("rows", "2d"):
+        return jnp.asarray(stored)
+    zeros = jnp.zeros(plan.group.shape, jnp.promote_types(plan.dtype, jnp.float32))
+    return compensate(plan, stored, zeros)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 PyTree = Any
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpointer", "WorkerCountMismatch"]
+__all__ = ["Checkpointer", "WorkerCountMismatch", "mean_per_worker"]
 
 
 class WorkerCountMismatch(ValueError):
@@ -40,6 +40,32 @@ class WorkerCountMismatch(ValueError):
 
 def _is_per_worker(spec: Any) -> bool:
     return isinstance(spec, P) and spec != P()
+
+
+def _place(x: np.ndarray, mesh, spec: P) -> jax.Array:
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def mean_per_worker(opt_state: PyTree, specs: PyTree, num_workers: int) -> PyTree:
+    """Every per-worker leaf becomes its mean over the old workers, repeated per new worker.
+
+    Refuses integer per-worker leaves (e.g. the row indices of ResiReduce's compressed
+    residuals): they cannot be averaged; pass a ``redistribute`` that understands them.
+    """
+
+    def leaf(x, spec):
+        if not _is_per_worker(spec):
+            return x
+        if not np.issubdtype(x.dtype, np.floating):
+            raise ValueError(
+                f"A per-worker state leaf of dtype {x.dtype} and shape {x.shape} cannot be "
+                "averaged over workers."
+            )
+        mean = x.astype(np.promote_types(x.dtype, np.float32)).mean(0).astype(x.dtype)
+        return np.ascontiguousarray(np.broadcast_to(mean, (num_workers, *mean.shape)))
+
+    return jax.tree.map(leaf, opt_state, specs)
 
 
 class Checkpointer:
@@ -83,7 +109,14 @@ class Checkpointer:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
-    def restore(self, step: int, like: PyTree, state_specs: PyTree, mesh) -> PyTree:
+    def restore(
+        self,
+        step: int,
+        like: PyTree,
+        state_specs: PyTree,
+        mesh,
+        redistribute: Callable[[PyTree, PyTree, int], PyTree] | None = None,
+    ) -> PyTree:
         """Restores the checkpoint of ``step`` into arrays laid out like ``like``.
 
         Args:
@@ -91,6 +124,9 @@ class Checkpointer:
           like: the live train state (or matching ``ShapeDtypeStruct``s with shardings).
           state_specs: PartitionSpecs of ``like["opt_state"]`` (per-worker leaves ``P(axis)``).
           mesh: the current mesh.
+          redistribute: for ``on_worker_change="average"``: maps the old optimizer state
+            (host arrays, per-worker leaves with ``W_old`` rows), its specs and the new
+            worker count to the new host state; default :func:`mean_per_worker`.
 
         Raises:
           WorkerCountMismatch: written by another number of workers, policy ``"error"``.
@@ -147,18 +183,16 @@ class Checkpointer:
                 "config as the run that wrote it, or a new workdir."
             ) from e
         if old_workers != self.num_workers:
-            restored["opt_state"] = jax.tree.map(
-                lambda x, s: self._redistribute(x, mesh, s) if _is_per_worker(s) else x,
+            host = jax.tree.map(
+                lambda x, s: np.asarray(x) if _is_per_worker(s) else x,
                 restored["opt_state"],
                 opt_specs,
             )
+            host = (redistribute or mean_per_worker)(host, opt_specs, self.num_workers)
+            restored["opt_state"] = jax.tree.map(
+                lambda x, s: _place(x, mesh, s) if _is_per_worker(s) else x, host, opt_specs
+            )
         return restored
-
-    def _redistribute(self, x: jax.Array, mesh, spec: P) -> jax.Array:
-        mean = jnp.mean(x.astype(jnp.promote_types(x.dtype, jnp.float32)), axis=0).astype(x.dtype)
-        stacked = np.broadcast_to(np.asarray(mean), (self.num_workers, *mean.shape))
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(stacked.shape, sharding, lambda index: stacked[index])
 
     def close(self) -> None:
         self._manager.wait_until_finished()

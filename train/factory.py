@@ -23,6 +23,7 @@ __all__ = [
     "build_grouping",
     "build_optimizer",
     "build_schedule",
+    "build_store_plans",
     "build_tx",
 ]
 
@@ -70,10 +71,12 @@ def build_exchange(
         return rr.compressed_mean(compressor, axis_name, min_size=comp.min_size)
     if variant == "ef":
         return rr.error_feedback(compressor, axis_name, min_size=comp.min_size)
+    return rr.resireduce(compressor, axis_name, **_resireduce_options(comp, variant))
+
+
+def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[str, Any]:
     inter, intra = config_schema.parse_variant(variant)
-    return rr.resireduce(
-        compressor,
-        axis_name,
+    return dict(
         grouping=build_grouping(comp),
         inter=inter,
         intra=intra,
@@ -86,6 +89,13 @@ def build_exchange(
         residual_dtype=comp.residual_dtype or None,
         min_size=comp.min_size,
     )
+
+
+def build_store_plans(comp: ml_collections.ConfigDict, params) -> list | None:
+    """ResiReduce's residual store plans for ``params`` (``None`` for other variants)."""
+    if comp.variant in ("dense", "none", "ef"):
+        return None
+    return rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
 
 
 def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, total_steps: int):

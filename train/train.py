@@ -117,6 +117,60 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     )
 
 
+@dataclasses.dataclass
+class InitialState:
+    """Freshly initialized train state of a run, and its jitted step."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    step_fn: rr.parallel.DataParallelStep
+    abstract_params: Any
+
+
+def initial_state(run: Run) -> InitialState:
+    """Initializes params (seeded), model state and optimizer state on the run's mesh."""
+    config = run.config
+    init_batch = run.dataset.train_batch(0, run.global_batch, 0, jax.process_count())
+    per_worker = {k: v[: config.batch_size_per_worker] for k, v in init_batch.items()}
+    key = jax.random.PRNGKey(config.seed)
+    abstract = jax.eval_shape(run.task.init, key, per_worker)
+    variables = jax.jit(run.task.init)(key, per_worker)
+    params = variables.pop("params")
+    model_state = rr.parallel.replicated(dict(variables), run.mesh)
+    step_fn = rr.parallel.data_parallel_step(
+        run.task.loss,
+        run.tx,
+        run.mesh,
+        axis_name=AXIS,
+        has_aux=True,
+        with_model_state=True,
+        with_rng=True,
+    )
+    params, opt_state = step_fn.init(params)
+    return InitialState(params, opt_state, model_state, step_fn, abstract["params"])
+
+
+def worker_redistribution(run: Run, abstract_params):
+    """``on_worker_change="average"`` for this run's optimizer state (see checkpointing)."""
+    plans = factory.build_store_plans(run.config.compression, abstract_params)
+    is_rr = lambda x: isinstance(x, rr.ResiReduceState)
+
+    def redistribute(opt_state, specs, num_workers):
+        def node(x, spec):
+            if not is_rr(x):
+                return checkpointing.mean_per_worker(x, spec, num_workers)
+            rest = checkpointing.mean_per_worker(
+                x._replace(residuals={}), spec._replace(residuals={}), num_workers
+            )
+            residuals = rr.residual_reduction.average_over_workers(x.residuals, plans, num_workers)
+            return rest._replace(residuals=residuals)
+
+        return jax.tree.map(node, opt_state, specs, is_leaf=is_rr)
+
+    return redistribute
+
+
 def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
     exchange_only = factory.build_tx(run.config, run.steps_per_epoch, run.total_steps)
     comparison = rr.memory.compare(abstract_params, exchange_only, run.baseline_tx)
@@ -206,8 +260,13 @@ def _bad_leaf_path(params, index: int) -> str:
     return paths[index] if 0 <= index < len(paths) else f"leaf #{index}"
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> RunSummary:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, *, halt_after_step: int | None = None
+) -> RunSummary:
     """Trains and evaluates one experiment; resumes from ``workdir`` if it has checkpoints.
+
+    ``halt_after_step`` stops after that step exactly as SIGTERM does (checkpoint, then
+    return with ``preempted=True``): for jobs run in chunks, and for resumption tests.
 
     Returns:
       A :class:`RunSummary` with the final step, last eval and train metrics, the number
@@ -221,26 +280,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> RunSu
             f.write(config.to_json_best_effort(indent=2))
 
     # ------------------------------------------------------------ initial state
-    init_batch = run.dataset.train_batch(0, run.global_batch, 0, jax.process_count())
-    per_worker = {k: v[: config.batch_size_per_worker] for k, v in init_batch.items()}
-    abstract = jax.eval_shape(run.task.init, jax.random.PRNGKey(config.seed), per_worker)
-    report, memory_figures = _memory_report(run, abstract["params"])
+    state = initial_state(run)
+    report, memory_figures = _memory_report(run, state.abstract_params)
     if is_main:
         print(report, flush=True)
-
-    variables = jax.jit(run.task.init)(jax.random.PRNGKey(config.seed), per_worker)
-    params = variables.pop("params")
-    model_state = rr.parallel.replicated(dict(variables), run.mesh)
-    step_fn = rr.parallel.data_parallel_step(
-        run.task.loss,
-        run.tx,
-        run.mesh,
-        axis_name=AXIS,
-        has_aux=True,
-        with_model_state=True,
-        with_rng=True,
+    params, opt_state, model_state, step_fn = (
+        state.params,
+        state.opt_state,
+        state.model_state,
+        state.step_fn,
     )
-    params, opt_state = step_fn.init(params)
     eval_fn = _eval_fn(run.task, run.mesh)
 
     checkpointer = checkpointing.Checkpointer(
@@ -257,6 +306,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> RunSu
             {"params": params, "opt_state": opt_state, "model_state": model_state},
             step_fn.state_specs,
             run.mesh,
+            redistribute=worker_redistribution(run, state.abstract_params),
         )
         params, opt_state, model_state = (
             restored["params"],
@@ -321,18 +371,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> RunSu
             elif step % MAX_QUEUED_STEPS == 0:
                 jax.block_until_ready(step_metrics)
             if analysis.due(step, run.total_steps):
-                analysis.record(step, opt_state, abstract["params"])
+                analysis.record(step, opt_state, state.abstract_params)
             if step % config.eval_every == 0 or step == run.total_steps:
                 last_eval = evaluate(run, eval_fn, params, model_state)
                 writer.write(step, "eval", last_eval)
             if step % config.checkpoint_every == 0 or step == run.total_steps:
                 save(step)
-            if stop.requested:
+            if stop.requested or (halt_after_step is not None and step >= halt_after_step):
                 preempted = True
                 if step % config.checkpoint_every != 0 and step != run.total_steps:
                     save(step)
                 if is_main:
-                    print(f"SIGTERM: checkpointed step {step}; exiting.", flush=True)
+                    print(f"Stopping: checkpointed step {step}.", flush=True)
                 break
     finally:
         stop.restore()

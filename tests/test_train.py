@@ -1,0 +1,245 @@
+"""The training program: config errors, bit-identical resume, worker-count policy, NaN policy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import chex
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+import resireduce_jax as rr
+from train import checkpointing, config_schema, train
+from train import metrics as metrics_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name: str) -> ml_collections.ConfigDict:
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def small_digits(**changes) -> ml_collections.ConfigDict:
+    c = load_config("default")
+    c.num_steps = 12
+    c.log_every = 2
+    c.eval_every = 6
+    c.checkpoint_every = 4
+    for key, value in changes.items():
+        target = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    return c
+
+
+# ------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.compression.__setitem__("variant", "w+3d"), "compression.variant='w\\+3d'"),
+        (lambda c: c.__setitem__("num_epochs", 2.0), "exactly one of num_steps and num_epochs"),
+        (lambda c: c.model.__setitem__("name", "resnet9000"), "model.name='resnet9000'"),
+        (lambda c: c.dataset.__setitem__("name", "imagenet"), "dataset.name='imagenet'"),
+        (lambda c: c.optimizer.__setitem__("name", "adamq"), "optimizer.name='adamq'"),
+        (lambda c: c.compression.__setitem__("compressor", "zip"), "compressor='zip'"),
+        (lambda c: c.schedule.__setitem__("name", "linear"), "schedule.name='linear'"),
+        (lambda c: c.compression.__setitem__("nonfinite", "ignore"), "nonfinite='ignore'"),
+        (lambda c: c.compression.__setitem__("density", 0.0), "density must be in"),
+        (
+            lambda c: c.compression.__setitem__("typo_key", 1),
+            "Unknown config key 'compression.typo_key'",
+        ),
+        (lambda c: c.dataset.__setitem__("context_length", 64), "no config field"),
+        (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
+    ],
+)
+def test_invalid_config_fails_before_compiling(change, message):
+    c = small_digits()
+    change(c)
+    with pytest.raises(ValueError, match=message):
+        run = train.build_run(c)
+        train.factory.build_tx(c, run.steps_per_epoch, run.total_steps)  # builds compressor
+
+
+def test_every_variant_builds():
+    for variant in config_schema.VARIANTS:
+        c = small_digits(**{"compression.variant": variant})
+        train.build_run(c)
+
+
+# ------------------------------------------------------------------ resume
+
+
+def test_resume_is_bit_identical(tmp_path):
+    config = small_digits()
+    full = tmp_path / "full"
+    summary = train.train_and_evaluate(config, str(full))
+    assert summary.step == 12 and not summary.preempted
+
+    split = tmp_path / "split"
+    first = train.train_and_evaluate(config, str(split), halt_after_step=5)
+    assert first.preempted and first.step == 5
+    second = train.train_and_evaluate(config, str(split))
+    assert second.step == 12
+
+    a, b = train.final_state(str(full)), train.final_state(str(split))
+    chex.assert_trees_all_equal(a, b)  # params, optimizer, per-worker residuals, BN state
+    residuals = [x for x in jax.tree.leaves(a["opt_state"]) if x.ndim >= 3]
+    assert residuals and all(r.shape[0] == 8 for r in residuals)
+    train_a = [r for r in metrics_lib.read_metrics(str(full)) if r["split"] == "train"]
+    train_b = [r for r in metrics_lib.read_metrics(str(split)) if r["split"] == "train"]
+    assert [r["loss"] for r in train_a] == [r["loss"] for r in train_b]
+    assert summary.eval == second.eval
+
+
+def test_worker_count_change_policy(tmp_path):
+    workdir = str(tmp_path / "run")
+    config = small_digits()
+    train.train_and_evaluate(config, workdir, halt_after_step=4)
+    old = train.final_state(workdir)
+
+    fewer = small_digits(num_workers=4, batch_size_per_worker=32)
+    with pytest.raises(checkpointing.WorkerCountMismatch, match="written by 8 workers"):
+        train.train_and_evaluate(fewer, workdir)
+
+    fewer.on_worker_change = "average"
+    summary = train.train_and_evaluate(fewer, workdir, halt_after_step=6)
+    assert summary.step == 6
+    new = train.final_state(workdir)
+    per_worker_old = [x.shape for x in jax.tree.leaves(old["opt_state"]) if x.ndim >= 3]
+    per_worker_new = [x.shape for x in jax.tree.leaves(new["opt_state"]) if x.ndim >= 3]
+    assert per_worker_old and [(8, *s[1:]) for s in per_worker_new] == per_worker_old
+    assert all(s[0] == 4 for s in per_worker_new)
+
+
+def test_mean_redistribution_keeps_the_pending_update(tmp_path):
+    """Each new worker gets the old workers' mean residual, so mean_w R_w is unchanged."""
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(small_digits(), workdir, halt_after_step=4)
+
+    def restore(config):
+        run = train.build_run(config)
+        state = train.initial_state(run)
+        ckpt = checkpointing.Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            keep=3,
+            num_workers=config.num_workers,
+            on_worker_change="average",
+        )
+        like = {
+            "params": state.params,
+            "opt_state": state.opt_state,
+            "model_state": state.model_state,
+        }
+        redistribute = train.worker_redistribution(run, state.abstract_params)
+        restored = ckpt.restore(4, like, state.step_fn.state_specs, run.mesh, redistribute)
+        ckpt.close()
+        return jax.device_get(restored)
+
+    old = restore(small_digits())
+    restored = restore(small_digits(num_workers=2, batch_size_per_worker=64))
+    # The shared group residual (dense) is averaged exactly.
+    (state_old,) = [x for x in _nodes(old) if isinstance(x, rr.ResiReduceState)]
+    (state_new,) = [x for x in _nodes(restored) if isinstance(x, rr.ResiReduceState)]
+    shared = "hidden_*/kernel[256x256]#0"
+    for w in range(2):
+        np.testing.assert_allclose(
+            state_new.residuals[shared][w],
+            state_old.residuals[shared].mean(0),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+    # The 2-D store of hidden_0 is re-selected from the mean of the old dense residuals.
+    block_old, block_new = (
+        state_old.residuals["hidden_0/kernel"],
+        state_new.residuals["hidden_0/kernel"],
+    )
+    dense_mean = np.zeros((64, 256))
+    for w in range(8):
+        rows, cols = block_old.rows[w], block_old.cols[w]  # rows: output units (axis 1)
+        dense_mean[np.ix_(cols, rows)] += block_old.values[w] / 8
+    top_rows = np.sort(np.argsort(-np.abs(dense_mean).sum(0), kind="stable")[:128])
+    top_cols = np.sort(np.argsort(-np.abs(dense_mean).sum(1), kind="stable")[:32])
+    for w in range(2):
+        np.testing.assert_array_equal(block_new.rows[w], top_rows)
+        np.testing.assert_array_equal(block_new.cols[w], top_cols)
+        np.testing.assert_allclose(
+            block_new.values[w], dense_mean[np.ix_(top_cols, top_rows)], rtol=1e-5, atol=1e-7
+        )
+    # Replicated state (momentum, step counters) is restored as written.
+    np.testing.assert_array_equal(state_new.count, state_old.count)
+
+
+def _nodes(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, rr.ResiReduceState))
+
+
+def test_corrupt_checkpoint_is_reported(tmp_path):
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(small_digits(), workdir, halt_after_step=4)
+    state_dir = os.path.join(workdir, "checkpoints", "4", "state")
+    for name in os.listdir(state_dir):
+        path = os.path.join(state_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    with pytest.raises(ValueError, match=r"Checkpoint 4 .*(unreadable|does not match)"):
+        train.train_and_evaluate(small_digits(), workdir)
+
+
+# ------------------------------------------------------------------ non-finite policy
+
+
+def test_nonfinite_raise_names_step_and_leaf(tmp_path):
+    config = small_digits(**{"compression.nonfinite": "raise", "optimizer.learning_rate": 1e30})
+    with pytest.raises(train.NonFiniteGradients, match=r"step \d+ in leaf '[\w/]+'"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_nonfinite_skip_keeps_training_finite(tmp_path):
+    config = small_digits(**{"optimizer.learning_rate": 1e30})
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert summary.skipped_steps > 0
+    state = train.final_state(str(tmp_path / "run"))
+    for leaf in jax.tree.leaves(state):
+        if np.issubdtype(leaf.dtype, np.floating):
+            assert np.isfinite(leaf).all()
+    records = metrics_lib.read_metrics(str(tmp_path / "run"))
+    assert max(r.get("skipped_steps", 0) for r in records) == summary.skipped_steps
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
+    config = small_digits(
+        **{"compression.variant": "ef", "residual_analysis.layers": "hidden_[123]"}
+    )
+    workdir = str(tmp_path / "run")
+    summary = train.train_and_evaluate(config, workdir)
+    out = capsys.readouterr().out
+    assert "Model states per worker" in out and "Final eval: accuracy=" in out
+    records = metrics_lib.read_metrics(workdir)
+    assert {r["split"] for r in records} == {"train", "eval"}
+    assert os.listdir(os.path.join(workdir, "tensorboard"))
+    assert os.path.exists(os.path.join(workdir, "residual_pdfs_step12.png"))
+    pdfs = np.load(os.path.join(workdir, "residual_pdfs.npz"))
+    assert {k.split("/")[1] for k in pdfs.files} == {"hidden_1", "hidden_2", "hidden_3"}
+    for key in pdfs.files:
+        if key.endswith("density"):
+            edges = pdfs[key.replace("density", "edges")]
+            np.testing.assert_allclose(np.sum(pdfs[key] * np.diff(edges)), 1.0, rtol=1e-3)
+    assert summary.memory["saving"] == 0.0  # ef vs ef
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["compression"]["variant"] == "ef"
