@@ -4,19 +4,28 @@ The budget is the compiled peak of the whole jitted gradient computation (argume
 output − alias + temp bytes of ``memory_analysis()``, parameters and gradients included):
 what the user asks for is what the compiled program uses.
 
-The rotor model (:mod:`resireduce_jax.remat.solver`) is an upper bound of what XLA
-allocates: XLA fuses elementwise work so that many residuals the model counts are never
-materialised, and reuses buffers. The planner therefore calibrates: the dynamic program is
-solved once over the whole memory range, which yields every plan it can produce, ordered
-from fastest (no checkpoint) to leanest; then it bisects that list, compiling candidates,
-for the fastest plan whose compiled peak fits the budget ("bisect the model budget until
-the compiled peak fits"). Compiled figures are cached per plan.
+The rotor model (:mod:`resireduce_jax.remat.solver`) only approximates what XLA allocates:
+XLA fuses elementwise work so that some residuals are never materialised, fuses a
+recomputation into the backward pass that follows it, reuses and packs buffers. The
+planner therefore calibrates against compiled programs:
 
-Because the candidate list does not depend on the budget, ``search="scan"`` (the fastest
-candidate that fits, compiling candidates in order) gives a compiled peak that never
-increases as the budget shrinks. ``search="bisect"`` (the default, a logarithmic number of
-compilations) gives the same answer whenever compiled peaks decrease along the list,
-which is what we observe; either way the returned plan's compiled peak fits the budget.
+* The dynamic program is solved once over its whole memory range, which yields every plan
+  it can produce, from fastest (no checkpoint) to leanest. It is solved twice: with the
+  full model, and with activations only (no gradients, no temporaries). The full model
+  has a floor (typically the last backward step, with every gradient written) below which
+  it sees no gain in storing less, so its leanest plans may keep stages that XLA's
+  accounting would still charge; the activations-only model keeps shrinking the stored
+  activations down to the leanest schedules. Each list ("family") is ordered by time.
+* For a budget, each family is bisected, compiling candidates, for its fastest plan whose
+  compiled peak fits ("bisect the model budget until the compiled peak fits"), and the
+  fastest of those is chosen. Compiled figures are cached per plan.
+
+The candidate lists do not depend on the budget, so ``search="scan"`` (the fastest
+candidate of all that fits, compiling candidates in order of time) gives a compiled peak
+that never increases as the budget shrinks. ``search="bisect"`` (the default, a
+logarithmic number of compilations) gives the same answer whenever compiled peaks
+decrease along each family, which is what we observe; either way the returned plan's
+compiled peak fits the budget.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
+
+import numpy as np
 
 from resireduce_jax.remat.costs import ChainCosts, Stage, measure_chain
 from resireduce_jax.remat.executor import CompiledGradient, Loss, apply_plan, compile_gradient
@@ -191,8 +202,21 @@ class ChainPlanner:
                 f"costs describe {self.costs.num_stages} stages but {len(self.stages)} given."
             )
         self.table = RotorTable(self.costs, slots=slots)
-        self.candidates: list[Solution] = self.table.candidates()
+        activations = RotorTable(_activations_only(self.costs), slots=slots)
+        self.families: dict[str, list[Solution]] = {
+            "rotor": self.table.candidates(),
+            "activations": [self._solution(c.plan) for c in activations.candidates()],
+        }
+        merged = {c.plan: c for family in self.families.values() for c in family}
+        self.candidates: list[Solution] = sorted(
+            merged.values(), key=lambda c: (c.time, c.memory, c.plan.compact())
+        )
         self._compiled: dict[Plan, CompiledGradient] = {}
+
+    def _solution(self, plan: Plan) -> Solution:
+        time, memory = predict(plan, self.costs)
+        base = float(self.costs.forward_time.sum() + self.costs.backward_time.sum())
+        return Solution(plan, time, memory, time / base - 1.0 if base > 0 else 0.0)
 
     def compile(self, plan: Plan) -> CompiledGradient:
         """Compiled figures of the gradient computation under ``plan`` (cached)."""
@@ -246,28 +270,18 @@ class ChainPlanner:
         if search not in ("bisect", "scan"):
             raise ValueError(f"search must be 'bisect' or 'scan', got {search!r}.")
         limit = self.budget_bytes(budget)
-        candidates = self.candidates
 
-        def fits(i: int) -> bool:
-            return self.compile(candidates[i].plan).peak <= limit
+        def fits(solution: Solution) -> bool:
+            return self.compile(solution.plan).peak <= limit
 
-        chosen = None
         if search == "scan":
-            chosen = next((i for i in range(len(candidates)) if fits(i)), None)
-        elif fits(0):
-            chosen = 0
-        elif fits(len(candidates) - 1):
-            lo, hi = 0, len(candidates) - 1  # lo does not fit, hi fits
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    hi = mid
-                else:
-                    lo = mid
-            chosen = hi
-        if chosen is None:
+            solution = next((c for c in self.candidates if fits(c)), None)
+        else:
+            found = [_bisect(family, fits) for family in self.families.values()]
+            found = [c for c in found if c is not None]
+            solution = min(found, key=lambda c: (c.time, self.compile(c.plan).peak), default=None)
+        if solution is None:
             self._raise_infeasible(limit)
-        solution = candidates[chosen]
         return RematChoice(
             plan=solution.plan,
             budget_bytes=limit,
@@ -312,6 +326,33 @@ class ChainPlanner:
     def predict(self, plan: Plan) -> tuple[float, int]:
         """The model's ``(time, peak bytes)`` for any plan (e.g. a baseline)."""
         return predict(plan, self.costs)
+
+
+def _bisect(family: list[Solution], fits: Callable[[Solution], bool]) -> Solution | None:
+    """The first candidate that fits, assuming fitting is monotone along ``family``."""
+    if not family or not fits(family[-1]):
+        return None
+    if fits(family[0]):
+        return family[0]
+    lo, hi = 0, len(family) - 1  # family[lo] does not fit, family[hi] fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(family[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return family[hi]
+
+
+def _activations_only(costs: ChainCosts) -> ChainCosts:
+    """The chain with only its activations: no gradients, no temporaries."""
+    zeros = np.zeros_like(costs.grad_bytes)
+    return dataclasses.replace(
+        costs,
+        grad_bytes=zeros,
+        forward_temp_bytes=np.zeros_like(costs.forward_temp_bytes),
+        backward_temp_bytes=np.zeros_like(costs.backward_temp_bytes),
+    )
 
 
 def checkpoint_chain(
