@@ -61,6 +61,8 @@ def start(setup: ProcessSetup, *, initialization_timeout_s: int = 120) -> None:
         return
     import jax
 
+    # CPU backends need a cross-process collectives implementation (GPUs use NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if setup.from_slurm:
         jax.distributed.initialize(initialization_timeout=initialization_timeout_s)
     else:

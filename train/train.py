@@ -12,6 +12,7 @@ are pure functions of ``(seed, t)``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -59,6 +60,7 @@ class RunSummary:
     skipped_steps: int
     preempted: bool
     memory: dict[str, Any]
+    params_digest: str
 
 
 @dataclasses.dataclass
@@ -260,6 +262,15 @@ def _bad_leaf_path(params, index: int) -> str:
     return paths[index] if 0 <= index < len(paths) else f"leaf #{index}"
 
 
+def params_digest(params) -> str:
+    """SHA-256 of this process's first local replica of every parameter (hex)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        shard = min(leaf.addressable_shards, key=lambda s: s.device.id)
+        h.update(np.ascontiguousarray(np.asarray(shard.data)).tobytes())
+    return h.hexdigest()
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, halt_after_step: int | None = None
 ) -> RunSummary:
@@ -390,6 +401,12 @@ def train_and_evaluate(
         checkpointer.close()
         writer.close()
     analysis.finish()
+    digest = params_digest(params)
+    if jax.process_count() > 1:  # every process must hold the very same replica
+        multihost_utils.assert_equal(
+            np.frombuffer(bytes.fromhex(digest), np.uint8),
+            "Parameter replicas differ between processes at the end of training.",
+        )
     summary = RunSummary(
         step=step,
         eval=last_eval,
@@ -397,7 +414,9 @@ def train_and_evaluate(
         skipped_steps=int(jax.device_get(opt_state.skipped)),
         preempted=preempted,
         memory=memory_figures,
+        params_digest=digest,
     )
+    print(f"Process {jax.process_index()}: params sha256 {digest}", flush=True)
     if is_main and not preempted:
         print("Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()), flush=True)
     return summary
