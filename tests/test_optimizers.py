@@ -240,6 +240,23 @@ def test_bfloat16_parameters_keep_their_dtype(name):
     )
 
 
+def test_adan_r_non_finite_gradients_stay_elementwise_like_official_adan():
+    """The write-order dependencies add exactly zero unless a value is NaN: an element
+    whose squared term overflows keeps its parameter (official float32 Adan: m / inf = 0),
+    inf and NaN gradients give NaN only at their own element, as in official Adan."""
+    grads = {"a": jnp.asarray([1.0, 1e30, jnp.inf, jnp.nan], jnp.float32), "b": jnp.ones(3)}
+    params = {"a": jnp.full(4, 2.0, jnp.float32), "b": jnp.full(3, 2.0, jnp.float32)}
+    tx = opt.adan_r(1e-2)
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    a = np.asarray(params["a"])
+    np.testing.assert_array_equal(np.isfinite(a), [True, True, False, False])
+    assert a[0] < 2.0 and a[1] == 2.0
+    assert np.isfinite(np.asarray(params["b"])).all()
+
+
 def test_optax_adan_departs_from_official_adan_from_step_two():
     """Why adan_r does not wrap optax.adan: equal after one step, different after two."""
     params = _flat_params()

@@ -43,10 +43,14 @@ keeps a second parameter-sized buffer alive). Adan-R avoids both:
   + (1-β_2)\tilde g_{k+1})/β_2` back from the *new* carry, so that the old carry, too,
   has a single reader (in a train step it is overwritten in place). :math:`v` equals the
   official one in exact arithmetic and differs by rounding (the tests bound it).
-  ``optimization_barrier`` pins the order :math:`n \to m \to w` of the writes; on CPU
-  keep ``--xla_disable_hlo_passes=cse_barrier_expander`` (set by
-  :func:`resireduce_jax.runtime.configure_cpu`), or XLA drops the barriers and copies
-  (measured: 32 MiB of temporaries for 3 x 16 MiB leaves instead of 0).
+* The hand-over also needs the writes in the order :math:`n \to m \to w`. A data
+  dependency pins it: the :math:`m` update reads :math:`m + \min(n_{new}, 0)` and the
+  :math:`w` update :math:`w + \min(|m_{new}|, 0)`. The added term is exactly 0 for every
+  non-NaN value (+inf included, and :math:`n \ge 0`), NaN where the value is NaN; that
+  element's update is NaN in official Adan too, so results are unchanged while XLA must
+  finish one update before it starts the next. (``optimization_barrier`` would do the
+  same, but XLA:CPU drops barriers unless ``cse_barrier_expander`` is disabled, and each
+  barrier costs a small tuple buffer per leaf in a train step.)
 
 With clipping, ``prev_grad`` holds the raw gradient and ``prev_grad_scale`` its clip
 factor, so the stored gradient is still the incoming buffer itself.
@@ -215,11 +219,11 @@ def adan_r(
             nesterov = diff * b2 + g
             n_new = b3 * n + (1 - b3) * (nesterov * nesterov)
             # The new state takes over buffers in the order n -> m -> w (see the module
-            # docstring): the barriers make the m update wait for the n update and the w
-            # update for the m update. Only arrays that exist anyway pass through them.
-            m = jax.lax.optimization_barrier((n_new, m))[1]
+            # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the
+            # m update read n_new, so it runs after the n update; likewise w after m.
+            m = m + jnp.minimum(n_new, 0)
             m_new = b1 * m + (1 - b1) * g
-            w = jax.lax.optimization_barrier((m_new, w))[1]
+            w = w + jnp.minimum(jnp.abs(m_new), 0)
             w_new = b2 * jnp.where(first, zero, w + (1 - b2) * g) - (1 - b2) * g
             # v from the *new* carry, so that w's old buffer has one reader (the w update
             # itself) and can be overwritten in place in a train step. With b2 = 0, v is
