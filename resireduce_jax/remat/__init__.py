@@ -11,7 +11,8 @@ chains: how to train deep neural networks with limited memory" (arXiv:1911.13214
 * :func:`apply_plan`: the chain as nested ``jax.checkpoint`` following a plan.
 * :class:`ChainPlanner` / :func:`checkpoint_chain`: the fastest plan whose *compiled*
   gradient peak fits a budget (bytes, or a fraction of the no-remat peak).
-* :class:`RotorSequential`: the same for a sequence of Flax linen layers.
+* :class:`RotorSequential`: the same for a sequence of Flax linen layers;
+  :func:`zoo.sequential_layers` gives ResNet / GPT-2 / ViT of the model zoo as such layers.
 * :mod:`baselines`: no remat, every stage, √L segments, recursive halving.
 
 On CPU, ``XLA_FLAGS`` must contain ``--xla_disable_hlo_passes=cse_barrier_expander`` (see
@@ -19,7 +20,7 @@ On CPU, ``XLA_FLAGS`` must contain ``--xla_disable_hlo_passes=cse_barrier_expand
 into the forward pass. The planner checks that the barriers survived.
 """
 
-from resireduce_jax.remat import baselines
+from resireduce_jax.remat import baselines, zoo
 from resireduce_jax.remat.costs import ChainCosts, chain_shapes, measure_chain, tree_bytes
 from resireduce_jax.remat.executor import (
     CompiledGradient,
@@ -72,4 +73,5 @@ __all__ = [
     "solve",
     "sum_of_outputs",
     "tree_bytes",
+    "zoo",
 ]

@@ -18,7 +18,8 @@ planner therefore calibrates against compiled programs:
   activations down to the leanest schedules. Each list ("family") is ordered by time.
 * For a budget, each family is bisected, compiling candidates, for its fastest plan whose
   compiled peak fits ("bisect the model budget until the compiled peak fits"), and the
-  fastest of those is chosen. Compiled figures are cached per plan.
+  fastest fitting plan among those compiled on the way is chosen. Compiled figures are
+  cached per plan.
 
 The candidate lists do not depend on the budget, so ``search="scan"`` (the fastest
 candidate of all that fits, compiling candidates in order of time) gives a compiled peak
@@ -271,15 +272,24 @@ class ChainPlanner:
             raise ValueError(f"search must be 'bisect' or 'scan', got {search!r}.")
         limit = self.budget_bytes(budget)
 
+        visited: list[Solution] = []
+
         def fits(solution: Solution) -> bool:
+            visited.append(solution)
             return self.compile(solution.plan).peak <= limit
 
         if search == "scan":
             solution = next((c for c in self.candidates if fits(c)), None)
         else:
-            found = [_bisect(family, fits) for family in self.families.values()]
-            found = [c for c in found if c is not None]
-            solution = min(found, key=lambda c: (c.time, self.compile(c.plan).peak), default=None)
+            for family in self.families.values():
+                _bisect(family, fits)
+            # The fastest fitting plan among those the bisections compiled (which ones
+            # depends on the budget only, not on what earlier calls compiled).
+            solution = min(
+                (c for c in visited if self.compile(c.plan).peak <= limit),
+                key=lambda c: (c.time, self.compile(c.plan).peak, c.plan.compact()),
+                default=None,
+            )
         if solution is None:
             self._raise_infeasible(limit)
         return RematChoice(
