@@ -3,8 +3,11 @@
 A checkpoint holds ``{"step", "params", "opt_state", "model_state"}`` as global arrays
 (per-worker optimizer-state leaves — residuals — keep their leading worker axis) plus a
 JSON record of how it was written (number of workers, which leaves are per worker).
-Orbax writes into a temporary directory and renames it when complete, so a checkpoint
-interrupted mid-write (SIGKILL, node failure) is never listed as restorable.
+Orbax writes into a temporary directory (``<step>.orbax-checkpoint-tmp-*``), puts a commit
+marker (``commit_success.txt``) in it and renames it when complete, so a checkpoint
+interrupted mid-write (SIGKILL, node failure) is never listed as restorable. A step
+directory without the marker (e.g. a workdir copy that was cut short) is not complete
+either: :class:`Checkpointer` moves it aside to ``<step>.uncommitted`` with a warning.
 
 Changing the number of workers between runs (``on_worker_change``):
 
@@ -25,13 +28,23 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpointer", "WorkerCountMismatch", "mean_per_worker"]
+__all__ = [
+    "COMMIT_MARKER",
+    "Checkpointer",
+    "WorkerCountMismatch",
+    "is_committed",
+    "latest_complete_step",
+    "mean_per_worker",
+]
+
+COMMIT_MARKER = "commit_success.txt"
 
 
 class WorkerCountMismatch(ValueError):
@@ -68,6 +81,38 @@ def mean_per_worker(opt_state: PyTree, specs: PyTree, num_workers: int) -> PyTre
     return jax.tree.map(leaf, opt_state, specs)
 
 
+def is_committed(step_dir: str) -> bool:
+    """Whether orbax finished writing ``step_dir`` (it holds the commit marker)."""
+    return os.path.isfile(os.path.join(step_dir, COMMIT_MARKER))
+
+
+def latest_complete_step(directory: str, steps) -> int | None:
+    """The newest of ``steps`` (orbax's listing of ``directory``) that is committed."""
+    complete = [s for s in steps if is_committed(os.path.join(directory, str(s)))]
+    return max(complete) if complete else None
+
+
+def _set_aside_uncommitted(directory: str) -> None:
+    """Renames ``<step>`` directories without the commit marker to ``<step>.uncommitted``."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.isdigit() and os.path.isdir(path) and not is_committed(path):
+            aside = f"{path}.uncommitted"
+            suffix = 1
+            while os.path.exists(aside):
+                aside, suffix = f"{path}.uncommitted{suffix}", suffix + 1
+            log.warning(
+                "Checkpoint directory %s has no %s: it was not completely written. Moved it "
+                "to %s; resuming from an older checkpoint.",
+                path,
+                COMMIT_MARKER,
+                aside,
+            )
+            os.rename(path, aside)
+
+
 class Checkpointer:
     """Saves and restores train states in ``directory`` (one sub-directory per step)."""
 
@@ -77,6 +122,10 @@ class Checkpointer:
         self.on_worker_change = on_worker_change
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"Checkpoint path {self.directory} exists and is not a directory.")
+        if jax.process_index() == 0:
+            _set_aside_uncommitted(self.directory)
+        if jax.process_count() > 1:  # the others list the directory after the clean-up
+            multihost_utils.sync_global_devices("resireduce_checkpoints_listed")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),

@@ -55,20 +55,45 @@ def resolve(
     return ProcessSetup(None, 1, 0)
 
 
-def start(setup: ProcessSetup, *, initialization_timeout_s: int = 120) -> None:
-    """Calls ``jax.distributed.initialize`` for a multi-process setup (no-op otherwise)."""
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def start(
+    setup: ProcessSetup,
+    *,
+    initialization_timeout_s: int = 120,
+    heartbeat_timeout_s: int = 100,
+) -> None:
+    """Calls ``jax.distributed.initialize`` for a multi-process setup (no-op otherwise).
+
+    Args:
+      setup: from :func:`resolve`.
+      initialization_timeout_s: how long to wait for all processes to connect.
+      heartbeat_timeout_s: a process that sent no heartbeat for this long is declared
+        dead and every other process aborts with a message saying so. This bounds the time
+        a run hangs after losing a peer: cross-process CPU (gloo) collectives do not time
+        out on their own.
+    """
     if not setup.multi_process:
         return
     import jax
 
     # CPU backends need a cross-process collectives implementation (GPUs use NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(
+        initialization_timeout=initialization_timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )
     if setup.from_slurm:
-        jax.distributed.initialize(initialization_timeout=initialization_timeout_s)
-    else:
-        jax.distributed.initialize(
-            coordinator_address=setup.coordinator_address,
-            num_processes=setup.num_processes,
-            process_id=setup.process_id,
-            initialization_timeout=initialization_timeout_s,
-        )
+        jax.distributed.initialize(**timeouts)
+        return
+    host = setup.coordinator_address.rsplit(":", 1)[0]
+    jax.distributed.initialize(
+        coordinator_address=setup.coordinator_address,
+        num_processes=setup.num_processes,
+        process_id=setup.process_id,
+        # A coordinator on the loopback interface is not exposed to the network
+        # (JAX binds to all interfaces by default).
+        coordinator_bind_address=setup.coordinator_address if host in _LOOPBACK_HOSTS else None,
+        **timeouts,
+    )

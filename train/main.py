@@ -28,7 +28,11 @@ flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-
 flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host runs).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host runs).")
 flags.DEFINE_integer(
-    "collective_timeout_s", 60, "CPU only: abort if a collective waits this long (peer lost)."
+    "collective_timeout_s",
+    60,
+    "Seconds after which a lost peer stops the run: a CPU collective waiting this long "
+    "aborts, and in multi-process runs a process that sent no heartbeat for this long is "
+    "declared dead (jax.distributed), so the other processes exit instead of hanging.",
 )
 
 
@@ -48,7 +52,7 @@ def run(argv) -> None:
         num_devices=config.num_workers // setup.num_processes,
         collective_timeout_s=FLAGS.collective_timeout_s,
     )
-    distributed.start(setup)
+    distributed.start(setup, heartbeat_timeout_s=FLAGS.collective_timeout_s)
     # Our own messages are printed; keep library chatter (orbax logs every write) quiet.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)

@@ -40,6 +40,9 @@ __all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate"]
 AXIS = "data"
 # XLA:CPU aborts when too many steps with collectives are queued (DESIGN.md §6).
 MAX_QUEUED_STEPS = 8
+# Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather, at
+# steps where the loop blocks anyway), so that all processes stop at the same step.
+STOP_SYNC_EVERY = MAX_QUEUED_STEPS
 
 
 class Preempted(Exception):
@@ -210,6 +213,21 @@ class _StopFlag:
     def restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+    def agreed(self, step: int) -> bool:
+        """Whether to stop after ``step``: SIGTERM reached *any* process.
+
+        Single process: checked every step. Multi-process: the processes exchange their
+        flags every ``STOP_SYNC_EVERY`` steps and all stop at the same step; a process
+        that stopped alone would save a checkpoint while its peers wait in the next
+        step's collectives, and the run would hang.
+        """
+        if jax.process_count() == 1:
+            return self.requested
+        if step % STOP_SYNC_EVERY:
+            return False
+        flags = multihost_utils.process_allgather(np.asarray(self.requested))
+        return bool(np.any(flags))
 
 
 def _eval_fn(task: tasks.Task, mesh):
@@ -388,7 +406,8 @@ def train_and_evaluate(
                 writer.write(step, "eval", last_eval)
             if step % config.checkpoint_every == 0 or step == run.total_steps:
                 save(step)
-            if stop.requested or (halt_after_step is not None and step >= halt_after_step):
+            halt = halt_after_step is not None and step >= halt_after_step
+            if stop.agreed(step) or halt:
                 preempted = True
                 if step % config.checkpoint_every != 0 and step != run.total_steps:
                     save(step)
@@ -422,12 +441,31 @@ def train_and_evaluate(
     return summary
 
 
-def final_state(workdir: str) -> dict[str, Any]:
-    """Loads the newest checkpoint of a finished run as numpy arrays (for tests/analysis)."""
+def final_state(workdir: str, step: int | None = None) -> dict[str, Any]:
+    """Loads a run's checkpoint (default: the newest complete one) as numpy arrays.
+
+    For tests and analysis. Works in any process layout: checkpoints written by several
+    processes (whose devices this process does not have) are read onto one local device.
+    """
     import orbax.checkpoint as ocp
 
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
-    step = manager.latest_step()
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    manager.close()
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    manager = ocp.CheckpointManager(
+        directory, item_handlers={"state": ocp.StandardCheckpointHandler()}
+    )
+    try:
+        if step is None:
+            step = checkpointing.latest_complete_step(directory, manager.all_steps())
+        if step is None:
+            raise FileNotFoundError(f"No complete checkpoint in {directory}.")
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local),
+            manager.item_metadata(step)["state"],
+        )
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        )
+    finally:
+        manager.close()
     return jax.tree.map(np.asarray, restored["state"])
