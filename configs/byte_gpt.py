@@ -9,7 +9,8 @@ from train.config_schema import base_config
 def get_config():
     c = base_config()
     c.model.name = "byte_gpt"
-    c.dataset = {"name": "pydoc_text", "context_length": 128}
+    c.model.overrides = {"num_layers": 3, "width": 64, "num_heads": 4, "max_len": 64}
+    c.dataset = {"name": "pydoc_text", "context_length": 64}
     c.num_workers = 8
     c.batch_size_per_worker = 8
     c.num_steps = 400
@@ -23,6 +24,7 @@ def get_config():
     c.schedule.end_factor = 0.1
     c.compression.variant = "w+2d"
     c.compression.density = 0.01
+    c.compression.min_size = 1_000  # at width 64 every matrix is 4k-16k elements
     c.compression.grouping = "auto"
     c.compression.max_group_size = 3
     c.log_every = 20
