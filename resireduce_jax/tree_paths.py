@@ -32,9 +32,10 @@ def is_compressible(like: Any, min_size: int) -> bool:
     """Whether a leaf is compressed (reference rule, ResiReduce code / DESIGN.md §4).
 
     Leaves with ``ndim <= 1`` (biases, norms, scalars) or fewer than ``min_size`` elements
-    are not worth compressing: they travel dense and keep no residual.
+    are not worth compressing: they travel dense and keep no residual. Neither do empty
+    leaves (a zero-size dimension), even with ``min_size=0``: there is nothing to select.
     """
-    return len(like.shape) >= 2 and math.prod(like.shape) >= min_size
+    return len(like.shape) >= 2 and math.prod(like.shape) >= max(min_size, 1)
 
 
 def validate_float_leaves(tree: PyTree, what: str) -> None:
