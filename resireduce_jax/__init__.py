@@ -5,6 +5,9 @@
   :mod:`compressors` and :mod:`grouping`.
 * The data-parallel step under ``jax.shard_map``: :mod:`parallel`.
 * Reading compiled programs (collectives, copies, peak memory): :mod:`hlo`.
+* Memory-reduced optimizers AdamW-R, Adan-R, Lion-R: :mod:`optimizers`.
+* Optimal activation checkpointing of layer chains under a memory budget: :mod:`remat`.
+* Non-finite gradient guard: :func:`skip_nonfinite`; model-state accounting: :mod:`memory`.
 """
 
 from resireduce_jax import (
@@ -13,12 +16,15 @@ from resireduce_jax import (
     hlo,
     memory,
     models,
+    optimizers,
     parallel,
+    remat,
     residual_stores,
     runtime,
     tree_paths,
 )
 from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
+from resireduce_jax.optimizers import adamw_r, adan_r, lion_r, optimizer_step
 from resireduce_jax.residual_reduction import ResiReduceState, resireduce
 from resireduce_jax.transforms import (
     CompressedMeanState,
@@ -34,14 +40,20 @@ __all__ = [
     "ErrorFeedbackState",
     "ResiReduceState",
     "SkipNonFiniteState",
+    "adamw_r",
+    "adan_r",
     "compressed_mean",
     "compressors",
     "error_feedback",
     "grouping",
     "hlo",
+    "lion_r",
     "memory",
     "models",
+    "optimizer_step",
+    "optimizers",
     "parallel",
+    "remat",
     "residual_stores",
     "resireduce",
     "runtime",

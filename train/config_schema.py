@@ -72,9 +72,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.phi = 0.5
     c.compression.nonfinite = "skip"  # "skip" or "raise"
 
-    c.remat = ml_collections.ConfigDict()
-    c.remat.budget = config_dict.placeholder(float)  # bytes (> 1) or fraction of no-remat peak
-
     c.log_every = 10
     c.eval_every = 100
     c.checkpoint_every = 100
@@ -197,11 +194,6 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0.")
     for name in ("log_every", "eval_every", "checkpoint_every"):
         _check(c[name] >= 1, f"{name} must be >= 1, got {c[name]}.")
-    if c.remat.budget is not None:
-        _check(
-            c.remat.budget > 0,
-            f"remat.budget must be > 0 (bytes, or a fraction <= 1), got {c.remat.budget}.",
-        )
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
 
 
