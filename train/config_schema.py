@@ -72,6 +72,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.phi = 0.5
     c.compression.nonfinite = "skip"  # "skip" or "raise"
 
+    c.remat = ml_collections.ConfigDict()
+    # Rotor activation checkpointing for ResNet / GPT-2 / ViT models (train/remat_model.py):
+    # a fraction of the no-remat peak ("0.6", "60%") or a size ("2GiB"); "" = off.
+    c.remat.budget = ""
+
     c.log_every = 10
     c.eval_every = 100
     c.checkpoint_every = 100
@@ -194,6 +199,14 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay must be >= 0.")
     for name in ("log_every", "eval_every", "checkpoint_every"):
         _check(c[name] >= 1, f"{name} must be >= 1, got {c[name]}.")
+    if c.remat.budget:
+        from resireduce_jax.remat import parse_budget
+        from train.remat_model import budget_value
+
+        try:
+            parse_budget(budget_value(c.remat.budget))
+        except ValueError as error:
+            raise ValueError(f"remat.budget={c.remat.budget!r}: {error}") from None
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
 
 

@@ -30,7 +30,15 @@ from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
 from resireduce_jax import models
-from train import checkpointing, config_schema, factory, input_pipeline, residual_analysis, tasks
+from train import (
+    checkpointing,
+    config_schema,
+    factory,
+    input_pipeline,
+    remat_model,
+    residual_analysis,
+    tasks,
+)
 from train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
@@ -79,6 +87,7 @@ class Run:
     global_batch: int
     steps_per_epoch: float
     total_steps: int
+    remat_choice: rr.remat.RematChoice | None = None
 
 
 def build_run(config: ml_collections.ConfigDict) -> Run:
@@ -94,6 +103,17 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         config.model.name, **config_schema.free_form(config.model.overrides)
     )
     task = tasks.make_task(model_config.build(), model_config, dataset.task)
+    remat_choice = None
+    if config.remat.budget:
+        example = dataset.train_batch(0, config.batch_size_per_worker, 0, 1)
+        model, remat_choice = remat_model.plan_sequential_model(
+            config.model.name,
+            model_config,
+            config_schema.free_form(config.model.overrides),
+            config.remat.budget,
+            task.example_inputs(example),
+        )
+        task = dataclasses.replace(task, model=model)
     mesh = rr.parallel.make_mesh(config.num_workers, AXIS)
     global_batch = config.num_workers * config.batch_size_per_worker
     if jax.process_count() > 1 and global_batch % jax.process_count():
@@ -119,6 +139,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         global_batch=global_batch,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        remat_choice=remat_choice,
     )
 
 
@@ -192,6 +213,17 @@ def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
         "reduced": comparison.reduced.as_dict(),
         "saving": comparison.saving,
     }
+    if run.remat_choice is not None:
+        choice = run.remat_choice
+        lines += ["", "Activation checkpointing (per worker):", choice.summary()]
+        figures["remat"] = {
+            "budget_bytes": choice.budget_bytes,
+            "compiled_peak_bytes": choice.compiled.peak,
+            "no_remat_peak_bytes": choice.no_remat.peak,
+            "flops_overhead": choice.flops_overhead,
+            "checkpoints": choice.plan.num_checkpoints,
+            "plan": choice.plan.compact(),
+        }
     return "\n".join(lines), figures
 
 

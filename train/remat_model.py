@@ -1,0 +1,109 @@
+"""``remat.budget``: train a sequential zoo model under an activation-memory budget.
+
+With ``config.remat.budget`` set, the model is built as a chain of layers
+(:func:`resireduce_jax.remat.zoo.sequential_layers`: stem or embedding, the repeated
+blocks, head) and :class:`resireduce_jax.remat.RotorSequential` picks the fastest rotor
+checkpointing plan whose compiled gradient peak fits the budget (Beaumont et al., "Optimal
+checkpointing for heterogeneous chains", §3–4; see ``docs/remat.md``). The plan is chosen
+once, before training, on one worker's batch shape and abstract parameters; the train step
+then runs the model's gradient as that plan's nested ``jax.checkpoint``.
+
+The budget is one worker's compiled peak of ``value_and_grad`` of the model w.r.t. its
+parameters (parameters, gradients, activations and temporaries; not the optimizer state or
+the exchange). Parameters are named ``layers_<i>/...`` in this form, so grouping rules for
+the monolithic model do not apply: use ``compression.grouping = "auto"`` or rules on these
+names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from resireduce_jax import remat
+
+__all__ = ["SequentialModel", "budget_value", "plan_sequential_model"]
+
+
+def budget_value(budget: str) -> float | str:
+    """``remat.budget`` as :func:`resireduce_jax.remat.parse_budget` reads it.
+
+    A plain number is a fraction of the no-remat peak (``<= 1``) or bytes (``> 1``);
+    strings with a unit (``"2GiB"``) or a percentage (``"60%"``) pass through.
+    """
+    try:
+        return float(budget)
+    except ValueError:
+        return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialModel:
+    """A :class:`RotorSequential` behind the zoo models' keyword-input calling convention.
+
+    :class:`train.tasks.Task` calls ``model.init(key, tokens=...)`` and
+    ``model.apply(variables, tokens=..., train=..., rngs=..., mutable=...)``; the chain
+    takes its single input positionally.
+    """
+
+    rotor: remat.RotorSequential
+    input_name: str
+
+    def _input(self, inputs: dict[str, Any]) -> Any:
+        if set(inputs) - {self.input_name} or self.input_name not in inputs:
+            raise ValueError(
+                f"The sequential model takes one input, {self.input_name!r}; got {sorted(inputs)}."
+            )
+        return inputs[self.input_name]
+
+    def init(self, key: jax.Array, **inputs: Any) -> dict[str, Any]:
+        return self.rotor.init(key, self._input(inputs), train=False)
+
+    def apply(self, variables, *, rngs=None, mutable=False, train: bool = False, **inputs):
+        return self.rotor.apply(
+            variables, self._input(inputs), rngs=rngs, mutable=mutable, train=train
+        )
+
+
+def plan_sequential_model(
+    model_name: str,
+    model_config: Any,
+    model_overrides: dict[str, Any],
+    budget: str,
+    example_inputs: dict[str, Any],
+) -> tuple[SequentialModel, remat.RematChoice]:
+    """Builds the chain form of a zoo model and plans it for ``budget``.
+
+    Args:
+      model_name: the zoo name (``config.model.name``).
+      model_config: its configuration (inputs, mutable collections and PRNG streams).
+      model_overrides: the configuration fields that were overridden (``model.overrides``).
+      budget: ``config.remat.budget``.
+      example_inputs: one worker's model inputs (arrays or ``ShapeDtypeStruct``s).
+
+    Returns:
+      ``(model, choice)``: the model whose gradient follows the chosen plan, and the
+      choice (compiled peak, FLOPs overhead, plan) for the run's report.
+
+    Raises:
+      ValueError: for a model that is not a ResNet, GPT-2 or ViT configuration, or a
+        budget below the smallest compiled peak any plan reaches (the message states it).
+    """
+    (input_name,) = model_config.input_names
+    layers = remat.zoo.sequential_layers(model_name, **model_overrides)
+    rotor = remat.RotorSequential(layers)
+    x = jax.ShapeDtypeStruct(example_inputs[input_name].shape, example_inputs[input_name].dtype)
+    variables = jax.eval_shape(lambda k: rotor.init(k, x, train=False), jax.random.key(0))
+    rngs = {name: jax.random.key(i) for i, name in enumerate(model_config.rng_names)}
+    mutable = list(model_config.mutable_collections) or False
+    planned, choice = rotor.with_budget(
+        variables,
+        x,
+        budget_value(budget),
+        rngs=rngs or None,
+        mutable=mutable,
+        train=True,
+    )
+    return SequentialModel(planned, input_name), choice
