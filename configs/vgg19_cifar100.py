@@ -12,9 +12,11 @@ also rotates images by up to 15 degrees, which this input pipeline does not do.
 Reusable groups (§4.1, reference ``resireducevgg19.py``; torchvision feature indices): the
 same-shape 3x3 convolutions between two max-pools share one residual: features 17/20/23
 (256->256), 30/33/36 (512->512) and 40/43/46/49 (512->512). The first convolution of each
-stage changes the channel count and stays alone. Intra-layer 2-D reduction (§4.3,
-ResiReduce-2d) applies to ``classifier_0`` (25088 x 4096, 72 % of all parameters), the
-layer the reference compresses (``is_dim_compress``: ``classifier.0.weight``).
+stage changes the channel count and stays alone; features 0 (1,728 values) travels dense,
+by size here and by name in the reference (``resir_lib/utils.py``, ``check_not_compress``).
+Intra-layer 2-D reduction (§4.3, ResiReduce-2d) applies to ``classifier_0`` (25088 x 4096,
+72 % of all parameters), the layer the reference compresses (``is_dim_compress``:
+``classifier.0.weight``).
 
     python -m train --config configs/vgg19_cifar100.py --workdir /tmp/rr_vgg19
 """
