@@ -132,23 +132,42 @@ _NORM_CHUNK = 1 << 14  # elements per step of the CPU sum of squares
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
-    """``sum(x**2)`` of one leaf in float32, without a leaf-sized temporary on CPU.
+    """``sum(x**2)`` of one leaf in float32, without a squared copy of the leaf on CPU.
 
-    XLA:CPU lowers a large reduction as a tree of ``reduce-window``s and materializes the
-    squared leaf for it: a temporary as large as the largest leaf (154 MiB for GPT-2's
-    token embedding), right at the optimizer's peak. On CPU the leaf is therefore summed
-    in chunks of ``_NORM_CHUNK`` elements in a loop (the last chunk is shifted back to
-    stay in bounds and masks what the previous one counted). Other backends fuse the
-    square into the reduction, so they get the plain sum.
+    XLA:CPU does not fuse an element-wise producer into a reduction: ``sum(x*x)`` (and
+    ``vdot``, ``einsum``, row-wise sums) materializes the squared leaf, a temporary as
+    large as the largest leaf (147 MiB for GPT-2's token embedding), right at the
+    optimizer's peak. On CPU a leaf above ``_NORM_CHUNK`` elements is therefore summed in
+    chunks of that many elements in a loop (the last chunk is shifted back to stay in
+    bounds and masks what the previous one counted). Other backends fuse the square into
+    the reduction, so they get the plain sum.
+
+    Costs on XLA:CPU (measured, jax 0.10.2): one 64 KiB chunk of scratch, and a 64-byte
+    slot of temp per loop that no other buffer shares (XLA gives every while loop's tuple
+    its own), so a clipped train step has 64 B more temp per large leaf than
+    ``optax.clip_by_global_norm`` (see ``benchmarks/results/gsr_memory.md``). XLA:CPU
+    widens a bfloat16 array that enters a while loop to a float32 copy; a bfloat16 leaf
+    therefore enters the loop as its uint16 bits (XLA materializes that view once, one
+    leaf of bytes, half the float32 copy) and each chunk is widened exactly by a shift.
     """
     flat = x.reshape(-1)
     n = flat.size
     if n <= _NORM_CHUNK or jax.default_backend() != "cpu":
         return jnp.sum(jnp.square(flat.astype(jnp.float32)))
+    if flat.dtype == jnp.bfloat16:
+        source = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+
+        def as_float32(chunk: jax.Array) -> jax.Array:
+            return jax.lax.bitcast_convert_type(chunk.astype(jnp.uint32) << 16, jnp.float32)
+    else:
+        source = flat
+
+        def as_float32(chunk: jax.Array) -> jax.Array:
+            return chunk.astype(jnp.float32)
 
     def add_chunk(i, total):
         start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
-        chunk = jax.lax.dynamic_slice(flat, (start,), (_NORM_CHUNK,)).astype(jnp.float32)
+        chunk = as_float32(jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)))
         unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
         return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
 
