@@ -1,0 +1,525 @@
+"""Final quality of every gradient-exchange variant, trained side by side with the training program.
+
+The memory side of the project ("less memory") is measured by ``memory_figures.py`` and
+``peak_memory.py``; this script measures the other half ("without losing accuracy"). Each
+task is trained with :func:`train.train.train_and_evaluate` from its config in ``configs/``
+under every exchange variant and several seeds, with nothing else changed:
+
+* ``dense``: no compression (exact worker mean), the quality ceiling;
+* ``none``: top-k without error feedback (what EF exists to fix);
+* ``ef``: top-k with plain error feedback, one residual per compressed leaf (the baseline);
+* ``a``, ``w``, ``2d``, ``w+2d``: ResiReduce's reduced residuals (shared average / weighted
+  residual per group of same-shape leaves, 2-D intra-layer residual, both);
+* ``w+2d+bf16``: ``w+2d`` with its residuals stored in bfloat16 (beyond the paper).
+
+Seeds change the parameter initialization, the data order and the per-step PRNG keys;
+seed ``s`` is the same for every variant, so differences between variants are paired.
+Reported per task and variant: the final eval metric (mean ± std over seeds), its
+difference from ``ef``, and the residual bytes one worker keeps (from the run's own memory
+report, :func:`resireduce_jax.memory.model_state_bytes`).
+
+Tasks (8 simulated CPU workers, top-k at 1 % density):
+
+* ``digits``: ``configs/default.py`` (MLP on scikit-learn's digits, SGD-momentum), with
+  ``compression.min_size=1000`` so that every hidden matrix is compressed;
+* ``byte_gpt``: ``configs/byte_gpt.py`` (3-layer width-64 byte-level GPT on CPython's
+  pydoc text, AdamW with gradient clipping), 1200 steps, with the byte embedding as the
+  2-D reduced layer (the paper reduces GPT-2's word embedding this way).
+
+Writes ``benchmarks/results/accuracy.{json,md,png}``. Usage::
+
+    python benchmarks/accuracy.py                                  # the README's run
+    python benchmarks/accuracy.py --tasks digits --variants none ef w+2d --seeds 1
+    python benchmarks/accuracy.py --tasks byte_gpt --steps 1200 --set optimizer.max_grad_norm=None
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+NUM_WORKERS = 8
+
+# Variant names of this benchmark -> (compression.variant, compression.residual_dtype).
+VARIANTS: dict[str, tuple[str, str]] = {
+    "dense": ("dense", ""),
+    "none": ("none", ""),
+    "ef": ("ef", ""),
+    "a": ("a", ""),
+    "w": ("w", ""),
+    "2d": ("2d", ""),
+    "w+2d": ("w+2d", ""),
+    "w+2d+bf16": ("w+2d", "bfloat16"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    config: str  # configs/<config>.py
+    overrides: dict[str, Any]  # dotted config keys
+    metric: str  # key of the eval metrics
+    higher_is_better: bool
+    scale: float  # reported value = scale * metric
+    unit: str
+    default_seeds: int
+    description: str
+
+
+TASKS: dict[str, Task] = {
+    "digits": Task(
+        config="default",
+        overrides={
+            "num_steps": 300,
+            "compression.min_size": 1000,
+            "eval_every": 20,
+            "log_every": 10,
+        },
+        metric="accuracy",
+        higher_is_better=True,
+        scale=100.0,
+        unit="accuracy %",
+        default_seeds=3,
+        description="MLP on scikit-learn digits (configs/default.py), SGD-momentum 0.1, "
+        "cosine schedule",
+    ),
+    "byte_gpt": Task(
+        config="byte_gpt",
+        overrides={
+            "num_steps": 1200,
+            # The config's intra_layers="auto" picks singletons holding >= 10 % of the
+            # compressed elements; at width 64 the byte embedding holds 9.7 %, so "2d" would
+            # change nothing. Name it, as configs/gpt2_*_wikitext.py do for GPT-2.
+            "compression.intra_layers": r"^wte/embedding$",
+            "eval_every": 100,
+            "log_every": 10,
+        },
+        metric="perplexity",
+        higher_is_better=False,
+        scale=1.0,
+        unit="perplexity",
+        default_seeds=2,
+        description="3-layer width-64 byte-level GPT on pydoc text (configs/byte_gpt.py), "
+        "AdamW 3e-3, clip 1.0, cosine schedule",
+    ),
+}
+
+
+def load_config(name: str):
+    path = ROOT / "configs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``"optimizer.max_grad_norm=None"`` -> ``("optimizer.max_grad_norm", None)``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}.")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value  # a bare string such as w+2d
+    return key.strip(), parsed
+
+
+def set_dotted(config, key: str, value: Any) -> None:
+    *sections, leaf = key.split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    if leaf not in node:
+        raise ValueError(f"Unknown config key {key!r} (see train/config_schema.py).")
+    with node.ignore_type():
+        node[leaf] = value
+
+
+def build_config(task: Task, variant: str, seed: int, steps: int | None, extra: dict[str, Any]):
+    config = load_config(task.config)
+    for key, value in {**task.overrides, **extra}.items():
+        set_dotted(config, key, value)
+    if steps is not None:
+        config.num_steps = steps
+    exchange, residual_dtype = VARIANTS[variant]
+    config.compression.variant = exchange
+    config.compression.residual_dtype = residual_dtype
+    config.seed = seed
+    config.num_workers = NUM_WORKERS
+    config.checkpoint_every = config.num_steps  # one checkpoint at the end, nothing mid-run
+    config.keep_checkpoints = 1
+    return config
+
+
+def curves(records: list[dict[str, Any]], metric: str, scale: float) -> dict[str, list]:
+    eval_records = [r for r in records if r["split"] == "eval"]
+    train_records = [r for r in records if r["split"] == "train"]
+    return {
+        "eval_step": [r["step"] for r in eval_records],
+        "eval_metric": [scale * r[metric] for r in eval_records],
+        "train_step": [r["step"] for r in train_records],
+        "train_loss": [r["loss"] for r in train_records],
+    }
+
+
+def train_one(task_name: str, variant: str, seed: int, steps: int | None, extra, scratch: str):
+    """Trains one (task, variant, seed) in a fresh workdir; returns its record."""
+    from train import metrics as metrics_lib
+    from train.train import train_and_evaluate
+
+    task = TASKS[task_name]
+    config = build_config(task, variant, seed, steps, extra)
+    workdir = tempfile.mkdtemp(prefix=f"{task_name}_{variant}_{seed}_", dir=scratch)
+    log_path = os.path.join(scratch, f"{task_name}_{variant}_seed{seed}.log")
+    start = time.perf_counter()
+    try:
+        with (
+            open(log_path, "w") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            summary = train_and_evaluate(config, workdir)
+        if summary.preempted:
+            raise KeyboardInterrupt(f"SIGTERM stopped {task_name} {variant} seed {seed}")
+        records = metrics_lib.read_metrics(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    return {
+        "task": task_name,
+        "variant": variant,
+        "seed": seed,
+        "steps": summary.step,
+        "final": task.scale * summary.eval[task.metric],
+        "final_eval": summary.eval,
+        "final_train": summary.train,
+        "skipped_steps": summary.skipped_steps,
+        "residual_bytes": summary.memory["reduced"]["residuals"],
+        "ef_residual_bytes": summary.memory["baseline"]["residuals"],
+        "model_state_bytes": summary.memory["reduced"]["total"],
+        "seconds": seconds,
+        "curves": curves(records, task.metric, task.scale),
+    }
+
+
+def setting(task_name: str, config) -> dict[str, Any]:
+    c = config.compression
+    return {
+        "description": TASKS[task_name].description,
+        "steps": int(config.num_steps),
+        "workers": int(config.num_workers),
+        "batch_per_worker": int(config.batch_size_per_worker),
+        "compressor": c.compressor,
+        "density": float(c.density),
+        "min_size": int(c.min_size),
+        "grouping": c.grouping,
+        "max_group_size": int(c.max_group_size),
+        "intra_layers": c.intra_layers,
+        "optimizer": config.optimizer.name,
+        "learning_rate": float(config.optimizer.learning_rate),
+        "max_grad_norm": config.optimizer.max_grad_norm,
+    }
+
+
+def summarize(runs: list[dict[str, Any]], tasks: list[str], variants: list[str]) -> list[dict]:
+    rows = []
+    for task_name in tasks:
+        by_variant = {
+            v: sorted(
+                (r for r in runs if r["task"] == task_name and r["variant"] == v),
+                key=lambda r: r["seed"],
+            )
+            for v in variants
+        }
+        ef_by_seed = {r["seed"]: r["final"] for r in by_variant.get("ef", [])}
+        for variant in variants:
+            mine = by_variant[variant]
+            if not mine:
+                continue
+            finals = [r["final"] for r in mine]
+            paired = [r["final"] - ef_by_seed[r["seed"]] for r in mine if r["seed"] in ef_by_seed]
+            rows.append(
+                {
+                    "task": task_name,
+                    "variant": variant,
+                    "seeds": [r["seed"] for r in mine],
+                    "finals": finals,
+                    "mean": statistics.fmean(finals),
+                    "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                    "delta_vs_ef": statistics.fmean(paired) if paired and variant != "ef" else None,
+                    "delta_vs_ef_std": statistics.stdev(paired) if len(paired) > 1 else None,
+                    "residual_bytes": mine[0]["residual_bytes"],
+                    "ef_residual_bytes": mine[0]["ef_residual_bytes"],
+                    "skipped_steps": sum(r["skipped_steps"] for r in mine),
+                    "seconds": sum(r["seconds"] for r in mine),
+                }
+            )
+    return rows
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB" if n < 2**20 else f"{n / 2**20:,.2f} MiB"
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    lines = [
+        "# Accuracy: gradient-exchange variants trained side by side",
+        "",
+        f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
+        "only `compression.variant` (and, for w+2d+bf16, `compression.residual_dtype`) differs "
+        "between rows of a task. Mean ± standard deviation over seeds of the final eval "
+        "metric; Δ vs ef is the mean of the per-seed differences (same seed = same init, data "
+        "order and PRNG keys), ± their standard deviation. Residual bytes are what one worker "
+        "keeps between steps (from the run's memory report).",
+        "",
+    ]
+    if not payload.get("complete", True):
+        lines += [
+            "**Incomplete run**: stopped early; only the finished runs are shown.",
+            "",
+        ]
+    for task_name, s in payload["settings"].items():
+        task = TASKS[task_name]
+        better = "higher" if task.higher_is_better else "lower"
+        lines.append(
+            f"* **{task_name}**: {s['description']}; {s['steps']} steps, {s['workers']} workers "
+            f"x {s['batch_per_worker']} examples, {s['compressor']} density {s['density']:g}, "
+            f"leaves under min_size={s['min_size']} elements travel dense, groups of <= "
+            f"{s['max_group_size']} same-shape leaves, 2-D layers `{s['intra_layers']}`; "
+            f"metric: eval {task.unit} ({better} is better)."
+        )
+    lines += [
+        "",
+        "| task | variant | final metric (mean ± std) | seeds | residual bytes / worker "
+        "| vs ef residuals | Δ vs ef |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in payload["summary"]:
+        task = TASKS[row["task"]]
+        digits = 2
+        value = f"{row['mean']:.{digits}f} ± {row['std']:.{digits}f}"
+        ratio = (
+            f"{row['residual_bytes'] / row['ef_residual_bytes']:.1%}"
+            if row["ef_residual_bytes"]
+            else ""
+        )
+        if row["delta_vs_ef"] is None:
+            delta = "—"
+        else:
+            delta = f"{row['delta_vs_ef']:+.{digits}f}"
+            if row["delta_vs_ef_std"] is not None:
+                delta += f" ± {row['delta_vs_ef_std']:.{digits}f}"
+        lines.append(
+            f"| {row['task']} | {row['variant']} | {value} {task.unit} | {len(row['seeds'])} "
+            f"| {_bytes(row['residual_bytes'])} | {ratio} | {delta} |"
+        )
+    skipped = sum(row["skipped_steps"] for row in payload["summary"])
+    lines += [
+        "",
+        f"Non-finite steps skipped over all runs: {skipped}. Total run time "
+        f"{payload['seconds'] / 60:.1f} min on {payload['cpu_count']} CPU cores.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = list(payload["settings"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.6), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, task_name in zip(axes[0], tasks, strict=True):
+        task = TASKS[task_name]
+        task_runs = [r for r in payload["runs"] if r["task"] == task_name]
+        for i, variant in enumerate(payload["variants"]):
+            runs = [r for r in task_runs if r["variant"] == variant]
+            if not runs:
+                continue
+            steps = runs[0]["curves"]["eval_step"]
+            values = np.array([r["curves"]["eval_metric"] for r in runs])
+            style = "--" if variant in ("dense", "none") else "-"
+            ax.plot(
+                steps,
+                values.mean(0),
+                style,
+                marker=".",
+                ms=4,
+                lw=1.6,
+                color=colors(i),
+                label=variant,
+            )
+            if len(runs) > 1:
+                ax.fill_between(steps, values.min(0), values.max(0), color=colors(i), alpha=0.12)
+        seeds = len({r["seed"] for r in task_runs})
+        band = ", band = min–max over seeds" if seeds > 1 else ""
+        ax.set_title(f"{task_name}: eval {task.unit}, mean of {seeds} seed(s){band}", fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"eval {task.unit}")
+        finals = [r["final"] for r in task_runs]
+        if finals:  # zoom on the end of training, where the variants differ
+            lo, hi = min(finals), max(finals)
+            if task.higher_is_better:
+                pad = max(hi - lo, 0.02 * abs(hi))
+                ax.set_ylim(max(lo - 2 * pad, 0.0), min(hi + pad, task.scale + 0.5))
+            else:
+                ax.set_yscale("log")
+                pad = max(hi - lo, 0.05 * abs(hi))
+                ax.set_ylim(max(lo - pad, 1.0), hi + 3 * pad)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(payload: dict[str, Any], out: str) -> None:
+    """Writes ``accuracy.{json,md,png}`` under ``out`` and prints the table."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "accuracy.json"), "w") as f:
+        json.dump(payload, f, indent=1, default=repr)
+    table = markdown(payload)
+    with open(os.path.join(out, "accuracy.md"), "w") as f:
+        f.write(table)
+    plot(payload, os.path.join(out, "accuracy.png"))
+    print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds per variant (default: 3 for digits, 2 for byte_gpt)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: per task, see TASKS)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        type=parse_assignment,
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override applied to every run of every task, e.g. compression.density=0.05",
+    )
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="rewrite the table and figure from an earlier accuracy.json, without training",
+    )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep each run's log (printed at the end)"
+    )
+    args = parser.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    extra = dict(args.extra)
+    if args.from_json:
+        with open(args.from_json) as f:
+            payload = json.load(f)
+        write_outputs(payload, args.out)
+        return
+
+    from resireduce_jax import runtime
+
+    runtime.configure_cpu(NUM_WORKERS)
+    import jax
+    from tqdm.auto import tqdm
+
+    settings = {}
+    for task_name in args.tasks:  # validate every config before the first run trains
+        from train import config_schema
+
+        config = build_config(TASKS[task_name], args.variants[0], 0, args.steps, extra)
+        config_schema.validate(config)
+        settings[task_name] = setting(task_name, config)
+
+    jobs = [
+        (task_name, variant, seed)
+        for task_name in args.tasks
+        for seed in range(args.seeds or TASKS[task_name].default_seeds)
+        for variant in args.variants
+    ]
+    scratch = tempfile.mkdtemp(prefix="rr_accuracy_")
+    runs: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    bar = tqdm(jobs, desc="runs", unit="run", file=sys.stderr, dynamic_ncols=True)
+    finished = False
+    interrupted = ""
+    try:
+        for task_name, variant, seed in bar:
+            bar.set_postfix_str(f"{task_name} {variant} seed {seed}")
+            record = train_one(task_name, variant, seed, args.steps, extra, scratch)
+            runs.append(record)
+            bar.write(
+                f"{task_name:9s} {variant:10s} seed {seed}: {TASKS[task_name].unit} "
+                f"{record['final']:.3f}  ({record['seconds']:.0f} s, "
+                f"{record['skipped_steps']} skipped)"
+            )
+        finished = True
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM seen by the training program
+        interrupted = str(stop) or "interrupted"
+    finally:
+        bar.close()
+        if args.keep_logs or not finished:
+            print(f"Run logs kept in {scratch}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.perf_counter() - start
+
+    payload = {
+        "jax": jax.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "command": "python benchmarks/accuracy.py " + " ".join(argv or sys.argv[1:]),
+        "overrides": {
+            k: v if isinstance(v, int | float | str) else repr(v) for k, v in extra.items()
+        },
+        "variants": args.variants,
+        "complete": finished,
+        "settings": settings,
+        "seconds": seconds,
+        "summary": summarize(runs, args.tasks, args.variants),
+        "runs": runs,
+    }
+    if interrupted:
+        print(
+            f"Stopped early ({interrupted}): writing the {len(runs)} finished runs.",
+            file=sys.stderr,
+        )
+    write_outputs(payload, args.out)
+    if interrupted:
+        sys.exit(130)
+    if any(not math.isfinite(r["final"]) for r in runs):
+        print("Warning: some runs ended with a non-finite metric.", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
