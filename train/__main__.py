@@ -1,5 +1,8 @@
-"""``python -m train``: see :mod:`train.main`."""
+"""``python -m train``: the training program's command line (:mod:`train.main`)."""
 
-from train.main import cli
+from train import main
 
-cli()
+# absl prints __main__'s docstring for --helpfull; make it the program's usage.
+__doc__ = main.__doc__
+
+main.cli()

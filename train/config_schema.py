@@ -16,11 +16,20 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-__all__ = ["VARIANTS", "base_config", "parse_variant", "validate"]
+__all__ = ["VARIANTS", "ConfigError", "base_config", "parse_variant", "validate"]
 
 # Residual variant -> (inter, intra) of resireduce_jax.resireduce; see parse_variant.
 VARIANTS = ("dense", "none", "ef", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
+
+
+class ConfigError(ValueError):
+    """A mistake in the configuration or on the command line, not a bug in the program.
+
+    The message is one sentence that names the key (or flag), the bad value and the fix;
+    ``python -m train`` prints it as ``error: <message>`` and exits with status 2, without
+    a traceback.
+    """
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -103,13 +112,15 @@ def parse_variant(variant: str) -> tuple[str, str]:
         elif part in intra_names:
             intra = intra_names[part]
         else:
-            raise ValueError(f"unknown residual variant {variant!r}")
+            raise ConfigError(
+                f"compression.variant={variant!r} is unknown; choose one of {list(VARIANTS)}."
+            )
     return inter, intra
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 def _known_keys(
@@ -119,7 +130,7 @@ def _known_keys(
     for key in config:
         path = f"{prefix}{key}"
         if key not in reference:
-            raise ValueError(
+            raise ConfigError(
                 f"Unknown config key '{path}'. Valid keys here: {sorted(reference.keys())}."
             )
         value, ref = config[key], reference[key]
@@ -129,7 +140,7 @@ def _known_keys(
 
 
 def validate(config: ml_collections.ConfigDict, *, known_models=None, known_datasets=None) -> None:
-    """Raises ValueError naming the key, the bad value and the valid choices."""
+    """Raises :class:`ConfigError` naming the key, the bad value and the valid choices."""
     _known_keys(base_config(), config, "")
     c = config
     _check(isinstance(c.num_workers, int) and c.num_workers >= 1, "num_workers must be >= 1.")
@@ -160,6 +171,11 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"compression.variant={comp.variant!r}; choose one of {list(VARIANTS)}.",
     )
     _check(
+        isinstance(comp.density, int | float) and 0 < comp.density <= 1,
+        f"compression.density must be in (0, 1], got {comp.density!r}: it is the fraction "
+        "of elements each worker sends (0.01 sends 1 %).",
+    )
+    _check(
         comp.grouping in ("auto", "regex"),
         f"compression.grouping={comp.grouping!r}; choose 'auto' or 'regex'.",
     )
@@ -173,7 +189,7 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         try:
             re.compile(rule[0])
         except re.error as e:
-            raise ValueError(f"compression.rules pattern {rule[0]!r} is invalid: {e}.") from None
+            raise ConfigError(f"compression.rules pattern {rule[0]!r} is invalid: {e}.") from None
     _check(comp.max_group_size >= 0, "compression.max_group_size must be >= 0 (0 = unlimited).")
     _check(
         comp.residual_dtype in ("", "float32", "bfloat16", "float16"),
@@ -206,7 +222,7 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         try:
             parse_budget(budget_value(c.remat.budget))
         except ValueError as error:
-            raise ValueError(f"remat.budget={c.remat.budget!r}: {error}") from None
+            raise ConfigError(f"remat.budget={c.remat.budget!r}: {error}") from None
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
 
 

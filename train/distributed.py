@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from train.config_schema import ConfigError
+
 __all__ = ["ProcessSetup", "resolve", "start"]
 
 
@@ -35,20 +37,38 @@ def resolve(
     process_id: int | None = None,
     environ: dict[str, str] | None = None,
 ) -> ProcessSetup:
-    """Works out the process layout without starting anything (testable)."""
+    """Works out the process layout without starting anything (testable).
+
+    Raises:
+      ConfigError: an incomplete or inconsistent multi-process setup (names the flags).
+    """
     env = os.environ if environ is None else environ
     address = coordinator_address or env.get("RR_COORDINATOR_ADDRESS")
     n = num_processes if num_processes is not None else env.get("RR_NUM_PROCESSES")
     pid = process_id if process_id is not None else env.get("RR_PROCESS_ID")
     if address or n is not None or pid is not None:
         if not (address and n is not None and pid is not None):
-            raise ValueError(
-                "Multi-process runs need all three of coordinator address, number of processes "
-                f"and process id; got address={address!r}, num_processes={n!r}, process_id={pid!r}."
+            raise ConfigError(
+                "Multi-process runs need all three of --coordinator_address, --num_processes "
+                "and --process_id (or RR_COORDINATOR_ADDRESS, RR_NUM_PROCESSES, RR_PROCESS_ID); "
+                f"got coordinator_address={address!r}, num_processes={n!r}, process_id={pid!r}."
             )
-        n, pid = int(n), int(pid)
+        try:
+            n, pid = int(n), int(pid)
+        except ValueError:
+            raise ConfigError(
+                f"--num_processes and --process_id must be integers, got num_processes={n!r}, "
+                f"process_id={pid!r}."
+            ) from None
+        if ":" not in address.rsplit("]", 1)[-1] or address.endswith(":"):
+            raise ConfigError(
+                f"--coordinator_address={address!r} needs a port: pass HOST:PORT of process 0, "
+                "e.g. 127.0.0.1:12345."
+            )
+        if n < 1:
+            raise ConfigError(f"--num_processes must be >= 1, got {n}.")
         if not 0 <= pid < n:
-            raise ValueError(f"process_id must be in [0, {n}), got {pid}.")
+            raise ConfigError(f"--process_id must be in [0, {n}) for {n} processes, got {pid}.")
         return ProcessSetup(address, n, pid)
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return ProcessSetup(None, int(env["SLURM_NTASKS"]), int(env.get("SLURM_PROCID", "0")), True)

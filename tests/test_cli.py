@@ -1,0 +1,99 @@
+"""``python -m train`` as a user meets it: --help, and one-line errors for bad input.
+
+Every mistake must be reported before training starts, as one ``error: ...`` line that
+names the key, with exit status 2 and no traceback; each run takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_the_flags_and_an_example():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for flag in (
+        "--config",
+        "--workdir",
+        "--coordinator_address",
+        "--num_processes",
+        "--process_id",
+        "--collective_timeout_s",
+        "--config.KEY=VALUE",
+    ):
+        assert flag in out, flag
+    assert "python -m train --config configs/default.py --workdir /tmp/rr_digits" in out
+    assert "compression.{" in out and "density" in out  # the config keys
+    assert "Traceback" not in out + result.stderr
+
+
+def test_helpfull_shows_the_usage_too():
+    result = run_cli("--helpfull")
+    assert "Usage:" in result.stdout and "--workdir" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--config.compression.variant=foo"], "compression.variant"),
+        (["--config.compression.density=1.5"], "compression.density"),
+        (["--config.no_such_key=1"], "no_such_key"),
+        (["--config.compression.densty=0.1"], "compression.densty"),
+        (["--config.nosection.x=1"], "nosection"),
+        (["--config.compression.density=abc"], "compression.density"),
+        (["--config=configs/no_such_config.py"], "--config"),
+        (["--no_such_flag=1"], "no_such_flag"),
+        (["--num_processes=2"], "--coordinator_address"),
+        (
+            [
+                "--config.dataset.name=text_files",
+                "--config.dataset.train_files=/no/such/dir/*.txt",
+                "--config.dataset.eval_files=/no/such/dir/*.txt",
+            ],
+            "dataset.train_files",
+        ),
+        (["--config.model.name=no_such_model"], "model.name"),
+    ],
+)
+def test_bad_values_print_one_line_and_exit_2(tmp_path, args, key):
+    result = run_cli("--workdir", str(tmp_path / "run"), *args)
+    assert_user_error(result, key)
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
+
+
+def test_workdir_that_is_a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("")
+    assert_user_error(run_cli("--workdir", str(path)), "--workdir")
+
+
+def test_missing_workdir():
+    assert_user_error(run_cli(), "--workdir")
+
+
+def assert_user_error(result: subprocess.CompletedProcess, key: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and key in lines[0], lines[0]
