@@ -39,34 +39,20 @@ import argparse
 import ast
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-NUM_WORKERS = 8
+from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
-# Variant names of this benchmark -> (compression.variant, compression.residual_dtype).
-VARIANTS: dict[str, tuple[str, str]] = {
-    "dense": ("dense", ""),
-    "none": ("none", ""),
-    "ef": ("ef", ""),
-    "a": ("a", ""),
-    "w": ("w", ""),
-    "2d": ("2d", ""),
-    "w+2d": ("w+2d", ""),
-    "w+2d+bf16": ("w+2d", "bfloat16"),
-}
+# Exchange variants (train/compiled_step.py vocabulary: "+bf16" = bfloat16 residuals).
+VARIANTS = ("dense", "none", "ef", "a", "w", "2d", "w+2d", "w+2d+bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +106,6 @@ TASKS: dict[str, Task] = {
 }
 
 
-def load_config(name: str):
-    path = ROOT / "configs" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def parse_assignment(text: str) -> tuple[str, Any]:
     """``"optimizer.max_grad_norm=None"`` -> ``("optimizer.max_grad_norm", None)``."""
     key, sep, value = text.partition("=")
@@ -157,9 +135,9 @@ def build_config(task: Task, variant: str, seed: int, steps: int | None, extra: 
         set_dotted(config, key, value)
     if steps is not None:
         config.num_steps = steps
-    exchange, residual_dtype = VARIANTS[variant]
-    config.compression.variant = exchange
-    config.compression.residual_dtype = residual_dtype
+    from train.compiled_step import with_variant
+
+    config = with_variant(config, variant)
     config.seed = seed
     config.num_workers = NUM_WORKERS
     config.checkpoint_every = config.num_steps  # one checkpoint at the end, nothing mid-run
@@ -394,14 +372,8 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
 def write_outputs(payload: dict[str, Any], out: str) -> None:
     """Writes ``accuracy.{json,md,png}`` under ``out`` and prints the table."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "accuracy.json"), "w") as f:
-        json.dump(payload, f, indent=1, default=repr)
-    table = markdown(payload)
-    with open(os.path.join(out, "accuracy.md"), "w") as f:
-        f.write(table)
+    write_results("accuracy", payload, markdown(payload), out, indent=1)
     plot(payload, os.path.join(out, "accuracy.png"))
-    print(table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -450,7 +422,6 @@ def main(argv: list[str] | None = None) -> None:
     from resireduce_jax import runtime
 
     runtime.configure_cpu(NUM_WORKERS)
-    import jax
     from tqdm.auto import tqdm
 
     settings = {}
@@ -495,9 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
 
     payload = {
-        "jax": jax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **environment(),
         "command": "python benchmarks/accuracy.py " + " ".join(argv or sys.argv[1:]),
         "overrides": {
             k: v if isinstance(v, int | float | str) else repr(v) for k, v in extra.items()

@@ -32,17 +32,16 @@ from resireduce_jax import runtime
 runtime.configure_cpu(num_devices=8, collective_timeout_s=120)
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import RESULTS, write_results  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -80,7 +79,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per method")
     parser.add_argument("--topk-reps", type=int, default=7, help="repetitions of selections")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
-    parser.add_argument("--out", default="benchmarks/results", help="output directory")
+    parser.add_argument("--out", default=str(RESULTS), help="output directory")
     return parser.parse_args()
 
 
@@ -309,13 +308,8 @@ def main() -> None:
     selection = bench_selection(args, mesh, shape)
     xs = make_leaves(mesh, shape, "iid")
     rows = bench_exchanges(args, mesh, shape, xs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "exchange": rows, "selection": selection}
-    (out / "compressors.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(meta, rows, selection)
-    (out / "compressors.md").write_text(text)
-    print(text)
+    write_results("compressors", result, markdown(meta, rows, selection), args.out)
 
 
 if __name__ == "__main__":

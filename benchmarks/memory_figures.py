@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import json
 import os
-import platform
 import re
-from pathlib import Path
 from typing import Any
 
 import jax
 import optax
+from common import RESULTS, MiB, environment, load_config, write_results
 
 import resireduce_jax as rr
 from resireduce_jax import models
@@ -50,10 +47,6 @@ from resireduce_jax.residual_reduction import ResiReduceState
 from resireduce_jax.residual_stores import BlockResidual, RowsResidual
 from resireduce_jax.tree_paths import is_compressible, leaf_paths, path_to_str
 from train import config_schema, factory
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-MiB = 2**20
 
 VARIANTS = ("ef", "a", "w", "2d", "w+2d", "w+2d+bf16")
 OPTIMIZERS = {
@@ -116,15 +109,6 @@ PAPER_SAVING_64_GPUS = {
     "BERT-large": 0.134,
     "GPT-2 large": 0.127,
 }
-
-
-def load_config(name: str):
-    """``get_config()`` of ``configs/<name>.py``."""
-    path = ROOT / "configs" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def exchange(comp, variant: str, params, dense: str | None = None) -> optax.GradientTransformation:
@@ -436,14 +420,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"Adam {100 * r['saving_w2d']['adam']:.2f} %",
             flush=True,
         )
-    os.makedirs(args.out, exist_ok=True)
-    payload = {"jax": jax.__version__, "platform": platform.platform(), "results": results}
-    with open(os.path.join(args.out, "memory_figures.json"), "w") as f:
-        json.dump(payload, f, indent=2)
-    with open(os.path.join(args.out, "memory_figures.md"), "w") as f:
-        f.write(markdown(results))
+    write_results("memory_figures", environment(results=results), markdown(results), args.out)
     plot(results, os.path.join(args.out, "memory_figures.png"))
-    print(markdown(results))
     return results
 
 

@@ -40,6 +40,7 @@ runtime.configure_cpu(num_devices=1)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import RESULTS, fill_prose  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from resireduce_jax.models import get_config  # noqa: E402
@@ -47,7 +48,6 @@ from resireduce_jax.remat import ChainCosts, RotorSequential, RotorTable, baseli
 from resireduce_jax.remat.solver import Checkpoint, Plan, RunStage  # noqa: E402
 from resireduce_jax.remat.zoo import sequential_layers  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 MIB = 2.0**20
 OVERHEAD_TOLERANCE = 5e-4  # FLOPs overheads closer than 0.05 points count as equal
 
@@ -520,9 +520,10 @@ def main() -> None:
             else:
                 results["models"].append(entry)
             (args.out / "remat.json").write_text(json.dumps(results, indent=1))
-    (args.out / "remat.md").write_text(markdown(results))
+    text = fill_prose(markdown(results), "remat")
+    (args.out / "remat.md").write_text(text)
     plot(results, args.out / "remat.png")
-    print(markdown(results))
+    print(text)
 
 
 if __name__ == "__main__":

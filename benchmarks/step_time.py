@@ -1,19 +1,9 @@
 """Step time of ResiReduce w+2d vs plain error feedback, measured in the same process.
 
-Both train steps are the training program's: :func:`resireduce_jax.parallel.data_parallel_step`
-over 8 simulated CPU workers, the paper config's loss, optimizer and grouping rules, and
-the :func:`resireduce_jax.skip_nonfinite` guard the program wraps every chain in
-(``--no-guard`` leaves it out). Models are the paper models at sizes a 2-core CPU steps
-through in about a second (see ``CASES``). Both variants are compiled and warmed up
-first; then repetitions alternate between them (ABBA order, so drifts in machine load hit
-both alike), each repetition timing ``--steps`` consecutive steps up to
-``block_until_ready``. Reported: the median seconds per step of each variant, the ratio
-of the medians (w+2d / EF) and the interquartile range of the per-repetition ratios.
-
-On simulated CPU devices the 8 workers share the machine's cores, so this measures the
-extra computation of ResiReduce (grouped compensation, weighted sums, row/column
-selection of the 2-D layers), not communication: both variants exchange the same top-k
-payloads. The paper reports at most 1.84 % lower throughput on 64 GPUs (Fig. 11).
+The training program's steps (``train/compiled_step.py``) over 8 simulated CPU workers,
+compiled and warmed up, then timed in interleaved (ABBA) repetitions; reported: median
+seconds per step, the ratio of the medians and its interquartile range. How to read the
+figures: ``benchmarks/results/step_time.md``.
 
 Writes ``benchmarks/results/step_time.{json,md}``. Usage::
 
@@ -24,30 +14,11 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-AXIS = "data"
-NUM_WORKERS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    config: str  # configs/<config>.py
-    overrides: dict[str, Any]
-    batch_per_worker: int
-    seq_len: int = 0
-    description: str = ""
-
+from common import NUM_WORKERS, RESULTS, Case, environment, guard_name, write_results
 
 CASES: dict[str, Case] = {
     "resnet50": Case(
@@ -74,14 +45,6 @@ CASES: dict[str, Case] = {
 }
 
 
-def load_config(name: str):
-    path = ROOT / "configs" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def _batch(model_config, rows: int, seq_len: int, seed: int):
     import numpy as np
 
@@ -104,32 +67,21 @@ class Runner:
         import jax
 
         import resireduce_jax as rr
-        from resireduce_jax import models
-        from train import config_schema, factory, tasks
+        from train import compiled_step
 
-        config = load_config(case.config)
-        config.model.overrides = dict(case.overrides)
-        model_config = models.get_config(
-            config.model.name, **config_schema.free_form(config.model.overrides)
-        )
-        kind = {"classification": "classification", "causal_lm": "language_modeling"}[
-            model_config.task
-        ]
-        task = tasks.make_task(model_config.build(), model_config, kind)
-        mesh = rr.parallel.make_mesh(NUM_WORKERS, AXIS)
-        tx = factory.build_tx(config, steps_per_epoch=100.0, total_steps=10_000, variant=variant)
-        if guard:
-            tx = rr.skip_nonfinite(tx, AXIS)
-        self.step = rr.parallel.data_parallel_step(
-            task.loss, tx, mesh, axis_name=AXIS, has_aux=True, with_model_state=True, with_rng=True
-        )
+        config = compiled_step.with_variant(case.load(), variant)
+        task = compiled_step.build_task(config)
+        model_config = task.model_config
+        mesh = rr.parallel.make_mesh(NUM_WORKERS, compiled_step.AXIS)
+        tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
+        self.step = compiled_step.build_step(task, tx, mesh)
         batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
         per_worker = {k: v[: case.batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
         params = variables.pop("params")
         self.model_state = rr.parallel.replicated(variables, mesh)
         self.params, self.opt_state = self.step.init(params)
-        self.batch = rr.parallel.shard_batch(batch, mesh, AXIS)
+        self.batch = rr.parallel.shard_batch(batch, mesh, compiled_step.AXIS)
         self.key = jax.random.PRNGKey(1)
         self.count = 0
         self.loss = float("nan")
@@ -151,8 +103,7 @@ class Runner:
 
 
 def measure(name: str, case: Case, *, guard: bool, repeats: int, steps: int) -> dict[str, Any]:
-    config = load_config(case.config)
-    variants = ("ef", config.compression.variant)
+    variants = ("ef", case.load().compression.variant)
     start = time.perf_counter()
     runners = {v: Runner(case, v, guard) for v in variants}
     for runner in runners.values():  # compile, then warm up
@@ -193,13 +144,15 @@ def markdown(results: list[dict[str, Any]]) -> str:
         "quartiles are over per-repetition ratios. Goal: ratio <= 1.05 (the paper: "
         "<= 1.02 on GPUs).",
         "",
+        "<!-- prose: about -->",
+        "",
         "| model | guard | EF s/step | w+2d s/step | ratio | ratio IQR | repeats x steps |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lo, hi = r["ratio_quartiles"]
         lines.append(
-            f"| {r['model']} | {'skip_nonfinite' if r['guard'] else 'none'} "
+            f"| {r['model']} | {guard_name(r['guard'])} "
             f"| {r['median_ef']:.3f} | {r['median_reduced']:.3f} | {r['ratio_of_medians']:.3f} "
             f"| {lo:.3f}–{hi:.3f} | {r['repeats']} x {r['steps_per_repeat']} |"
         )
@@ -220,7 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     from resireduce_jax import runtime
 
     runtime.configure_cpu(NUM_WORKERS)
-    import jax
 
     results = []
     for name in args.models:
@@ -233,19 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             f"ratio {r['ratio_of_medians']:.3f}",
             flush=True,
         )
-    os.makedirs(args.out, exist_ok=True)
-    payload = {
-        "jax": jax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "num_workers": NUM_WORKERS,
-        "results": results,
-    }
-    with open(os.path.join(args.out, "step_time.json"), "w") as f:
-        json.dump(payload, f, indent=2)
-    with open(os.path.join(args.out, "step_time.md"), "w") as f:
-        f.write(markdown(results))
-    print(markdown(results))
+    payload = environment(num_workers=NUM_WORKERS, results=results)
+    write_results("step_time", payload, markdown(results), args.out)
 
 
 if __name__ == "__main__":

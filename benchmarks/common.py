@@ -1,0 +1,106 @@
+"""What the benchmarks share: configs, model cases, result files and their static prose.
+
+Benchmarks run as scripts (``python benchmarks/<name>.py``), so they ``import common``
+from this directory. Results go to ``benchmarks/results/<name>.{json,md}``.
+
+Long explanations belong in the results markdown, not in the scripts: a generated
+markdown marks a place for hand-written text with a line ``<!-- prose: KEY -->``, and
+:func:`write_results` fills it with the block of that key from the committed
+``benchmarks/results/<name>.md`` (between ``<!-- prose: KEY -->`` and ``<!-- /prose -->``),
+so regenerating the figures keeps the text around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+NUM_WORKERS = 8
+MiB = 2**20
+
+_PROSE_BLOCK = re.compile(r"^<!-- prose: ([\w-]+) -->\n(.*?)^<!-- /prose -->\n?", re.M | re.S)
+_PROSE_MARK = re.compile(r"^<!-- prose: ([\w-]+) -->$", re.M)
+
+
+def load_config(name: str):
+    """``get_config()`` of ``configs/<name>.py``."""
+    path = ROOT / "configs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model at a CPU-friendly size, trained with a paper config's recipe."""
+
+    config: str  # file name in configs/ without .py
+    overrides: dict[str, Any]  # model overrides (config.model.overrides)
+    batch_per_worker: int
+    seq_len: int = 0  # language models: tokens per sequence
+    description: str = ""
+
+    def load(self):
+        """The case's config: ``configs/<config>.py`` with the model overrides."""
+        config = load_config(self.config)
+        config.model.overrides = dict(self.overrides)
+        return config
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """Versions and machine, for the head of a results JSON."""
+    import jax
+
+    return {
+        "jax": jax.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        **extra,
+    }
+
+
+def guard_name(guard: bool) -> str:
+    return "skip_nonfinite" if guard else "none"
+
+
+def fill_prose(text: str, name: str, source: Path | None = None) -> str:
+    """Fills every ``<!-- prose: KEY -->`` line of ``text`` with that block of ``source``.
+
+    ``source`` defaults to the committed ``benchmarks/results/<name>.md``; a key it does not
+    have gets an empty block, to be written by hand.
+    """
+    source = source or RESULTS / f"{name}.md"
+    blocks = dict(_PROSE_BLOCK.findall(source.read_text())) if source.exists() else {}
+    return _PROSE_MARK.sub(
+        lambda m: f"<!-- prose: {m[1]} -->\n{blocks.get(m[1], '')}<!-- /prose -->", text
+    )
+
+
+def write_results(
+    name: str,
+    payload: Any,
+    markdown: str,
+    out: str | Path = RESULTS,
+    *,
+    indent: int = 2,
+    echo: bool = True,
+) -> Path:
+    """Writes ``<out>/<name>.json`` and ``<out>/<name>.md`` (prose filled in); prints the md."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=indent, default=repr) + "\n")
+    text = fill_prose(markdown, name)
+    text = text if text.endswith("\n") else text + "\n"
+    (out / f"{name}.md").write_text(text)
+    if echo:
+        print(text)
+    return out

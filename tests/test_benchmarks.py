@@ -1,0 +1,114 @@
+"""Benchmark helpers: the shared config loader, the copy classifier, the compiled step."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import common  # noqa: E402
+import peak_memory  # noqa: E402
+
+from train import compiled_step  # noqa: E402
+
+# A tiny optimized module: one parameter, a transpose copy (layout {0,1} of a {1,0}
+# operand), a real copy of the same layout, and a copy inside a fusion.
+HLO = """\
+HloModule jit_body, is_scheduled=true
+
+%fused_computation (param_0.1: f32[4,8]) -> f32[4,8] {
+  %param_0.1 = f32[4,8]{1,0} parameter(0)
+  ROOT %copy.9 = f32[4,8]{1,0} copy(%param_0.1)
+}
+
+ENTRY %main.1 (param.1: f32[4,8], param.2: f32[16]) -> (f32[4,8], f32[4,8], f32[16]) {
+  %param.1 = f32[4,8]{1,0} parameter(0), metadata={op_name="params[\\'dense\\'][\\'kernel\\']"}
+  %param.2 = f32[16]{0} parameter(1), metadata={op_name="opt_state[0].residuals[\\'w\\']"}
+  %copy.1 = f32[4,8]{0,1} copy(%param.1)
+  %add.3 = f32[16]{0} add(%param.2, %param.2), metadata={op_name="transpose(jvp(d))/add"}
+  %copy.2 = f32[16]{0} copy(%add.3)
+  %fusion.4 = f32[4,8]{1,0} fusion(%param.1), kind=kLoop, calls=%fused_computation
+  ROOT %tuple.5 = (f32[4,8]{0,1}, f32[4,8]{1,0}, f32[16]{0}) tuple(%copy.1, %fusion.4, %copy.2)
+}
+"""
+
+
+def test_copies_tell_layout_transposes_from_real_copies():
+    found = {c["name"]: c for c in peak_memory.copies(HLO)}
+    assert set(found) == {"copy.1", "copy.2", "copy.9"}
+    transpose, real, fused = found["copy.1"], found["copy.2"], found["copy.9"]
+    assert transpose["transpose"] and not transpose["fused"]
+    assert transpose["bytes"] == 4 * 8 * 4
+    assert transpose["origin"] == "argument: params"
+    assert transpose["source"] == "params['dense']['kernel']"
+    assert not real["transpose"] and real["bytes"] == 16 * 4
+    assert real["origin"] == "backward"
+    assert fused["fused"] and not fused["transpose"]
+    summary = peak_memory.copy_summary(HLO)
+    assert summary["by_origin"]["argument: params"]["transpose"] == [128, 1]
+    assert summary["by_origin"]["backward"]["real"] == [64, 1]
+    assert summary["fused"] == 128
+
+
+def test_origin_follows_copies_to_residual_arguments():
+    instructions = peak_memory.parse_hlo(HLO.replace("add(%param.2, %param.2)", "copy(%param.2)"))
+    copied, kind, source = peak_memory.origin(instructions, "copy.2")
+    assert copied and kind == "argument: residuals" and source == "opt_state[0].residuals['w']"
+
+
+def test_load_config_reads_the_named_file():
+    config = common.load_config("bert_base_squad")
+    assert config.model.name == "bert_base"
+    assert common.load_config("default").model.name == "digits_mlp"
+    case = common.Case("default", {"width": 32}, batch_per_worker=4)
+    assert dict(case.load().model.overrides) == {"width": 32}
+
+
+def test_fill_prose_keeps_hand_written_blocks(tmp_path):
+    source = tmp_path / "x.md"
+    source.write_text("# old\n<!-- prose: why -->\nBecause.\n<!-- /prose -->\n| 1 |\n")
+    out = common.fill_prose("# new\n<!-- prose: why -->\n| 2 |\n<!-- prose: new -->\n", "x", source)
+    assert out == (
+        "# new\n<!-- prose: why -->\nBecause.\n<!-- /prose -->\n| 2 |\n"
+        "<!-- prose: new -->\n<!-- /prose -->\n"
+    )
+
+
+def test_with_variant_spells_bf16_residuals():
+    config = compiled_step.with_variant(common.load_config("default"), "w+2d+bf16")
+    assert config.compression.variant == "w+2d"
+    assert config.compression.residual_dtype == "bfloat16"
+    assert compiled_step.variant_label(config) == "w+2d+bf16"
+    with pytest.raises(ValueError, match="variant"):
+        compiled_step.with_variant(config, "w+3d")
+
+
+def test_compiled_step_peak_is_memory_analysis_sum():
+    config = common.load_config("default")
+    step = compiled_step.compile_step(config, variant="ef", batch_per_worker=4, num_workers=2)
+    ma = step.compiled.memory_analysis()
+    expected = (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        - ma.alias_size_in_bytes
+        + ma.temp_size_in_bytes
+    )
+    assert step.peak.peak == expected > 0
+    # donated: every parameter and optimizer-state output reuses its input buffer
+    assert ma.alias_size_in_bytes > 0
+    assert step.variant == "ef"
+
+
+def test_memory_report_has_the_variant_beside_ef_and_dense():
+    report = compiled_step.memory_report(
+        common.load_config("default"), 4, num_workers=2, guard=False
+    )
+    assert [r["variant"] for r in report.rows] == ["w+2d", "ef", "dense"]
+    assert report.row("dense")["residuals"] == 0
+    assert report.row("w+2d")["residuals"] < report.row("ef")["residuals"]
+    text = report.text()
+    assert "w+2d" in text and "dense" in text and "peak MiB" in text

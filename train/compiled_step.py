@@ -1,0 +1,277 @@
+"""The training program's train step, compiled from abstract shapes: its per-worker peak.
+
+:func:`compile_step` builds what :mod:`train.train` runs (the optax chain of
+:func:`train.factory.build_tx`, wrapped in :func:`resireduce_jax.skip_nonfinite` when
+guarded, inside the donated :func:`resireduce_jax.parallel.data_parallel_step`) and
+compiles it for ``jax.ShapeDtypeStruct`` parameters, optimizer state, model state and
+batch with the shardings of a run: nothing is allocated or run. :func:`memory_report`
+compiles the configured residual variant beside plain error feedback and dense exchange
+and returns the per-worker peaks (``argument + output - alias + temp``,
+:func:`resireduce_jax.hlo.peak_memory`) with a short text table.
+
+Variants use the config vocabulary (``train.config_schema.VARIANTS``: ``dense``, ``none``,
+``ef``, ``a``, ``w``, ``2d``, ``w+2d``, ...) plus a ``+bf16`` suffix for residuals stored
+in bfloat16 (``compression.residual_dtype="bfloat16"``), e.g. ``w+2d+bf16``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import resireduce_jax as rr
+from resireduce_jax import models
+from train import config_schema, factory, tasks
+
+__all__ = [
+    "AXIS",
+    "CompiledStep",
+    "MemoryReport",
+    "abstract_batch",
+    "build_step",
+    "build_task",
+    "build_train_tx",
+    "compile_step",
+    "dataset_kind",
+    "memory_report",
+    "variant_label",
+    "with_variant",
+]
+
+AXIS = "data"  # train.train.AXIS
+BF16_SUFFIX = "+bf16"
+MiB = 2**20
+
+
+def with_variant(
+    config: ml_collections.ConfigDict, variant: str | None
+) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose compression is ``variant`` (``+bf16``: bf16 residuals)."""
+    config = config.copy_and_resolve_references()
+    if variant is None:
+        return config
+    with config.unlocked():
+        if variant.endswith(BF16_SUFFIX):
+            config.compression.residual_dtype = "bfloat16"
+            variant = variant.removesuffix(BF16_SUFFIX)
+        if variant not in config_schema.VARIANTS:
+            raise ValueError(
+                f"variant {variant!r}; choose one of {list(config_schema.VARIANTS)}, "
+                f"optionally with {BF16_SUFFIX!r}."
+            )
+        config.compression.variant = variant
+    return config
+
+
+def variant_label(config: ml_collections.ConfigDict) -> str:
+    """``compression.variant`` with ``+bf16`` when its residuals are stored in bfloat16."""
+    comp = config.compression
+    bf16 = comp.residual_dtype == "bfloat16" and comp.variant not in ("dense", "none", "ef")
+    return comp.variant + (BF16_SUFFIX if bf16 else "")
+
+
+def build_train_tx(
+    config: ml_collections.ConfigDict,
+    steps_per_epoch: float,
+    total_steps: int,
+    *,
+    guard: bool = True,
+) -> optax.GradientTransformation:
+    """The chain a run trains with: ``build_tx``, inside ``skip_nonfinite`` when guarded."""
+    tx = factory.build_tx(config, steps_per_epoch, total_steps)
+    return rr.skip_nonfinite(tx, AXIS) if guard else tx
+
+
+def build_step(task: tasks.Task, tx: optax.GradientTransformation, mesh):
+    """The donated data-parallel step of the training program (not yet initialized)."""
+    return rr.parallel.data_parallel_step(
+        task.loss, tx, mesh, axis_name=AXIS, has_aux=True, with_model_state=True, with_rng=True
+    )
+
+
+def build_task(config: ml_collections.ConfigDict) -> tasks.Task:
+    """The config's zoo model (with ``model.overrides``) on its kind of dataset."""
+    model_config = models.get_config(
+        config.model.name, **config_schema.free_form(config.model.overrides)
+    )
+    return tasks.make_task(model_config.build(), model_config, dataset_kind(model_config))
+
+
+def dataset_kind(model_config) -> str:
+    """The dataset task (``input_pipeline`` vocabulary) a zoo model trains on."""
+    return {"classification": "classification", "causal_lm": "language_modeling"}.get(
+        model_config.task, "span_qa"
+    )
+
+
+def abstract_batch(model_config, kind: str, rows: int, seq_len: int = 0) -> dict[str, Any]:
+    """A batch of ``rows`` of a dataset of ``kind`` as ``ShapeDtypeStruct``s (no data).
+
+    ``seq_len`` is the tokens per sequence of language models (default: the model's).
+    """
+    if kind == "language_modeling":
+        seq_len = seq_len or model_config.sequence_length
+        return {"tokens": jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32)}
+    if seq_len and kind == "span_qa":
+        model_config = dataclasses.replace(model_config, seq_len=seq_len)
+    return dict(model_config.example_batch(rows))
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """A compiled train step, the abstract params it was built for and its chain."""
+
+    compiled: Any
+    params: Any
+    tx: optax.GradientTransformation
+    compile_seconds: float
+    variant: str = ""
+
+    @property
+    def peak(self) -> rr.hlo.PeakMemory:
+        return rr.hlo.peak_memory(self.compiled)
+
+
+def _on(sharding, tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def compile_step(
+    config: ml_collections.ConfigDict,
+    *,
+    variant: str | None = None,
+    guard: bool = True,
+    batch_per_worker: int | None = None,
+    seq_len: int = 0,
+    num_workers: int | None = None,
+    steps_per_epoch: float = 100.0,
+    total_steps: int = 1000,
+    task: tasks.Task | None = None,
+) -> CompiledStep:
+    """Compiles the donated data-parallel train step of ``config`` with residual ``variant``.
+
+    Everything is abstract: parameters, optimizer state, model state and batch are
+    ``jax.ShapeDtypeStruct``s with the shardings the training program uses. Defaults come
+    from the config (``compression.variant``, ``batch_size_per_worker``, ``num_workers``);
+    ``task`` replaces the one built from ``model`` (e.g. a run's rematerialized model).
+    """
+    config = with_variant(config, variant)
+    batch_per_worker = batch_per_worker or config.batch_size_per_worker
+    num_workers = num_workers or config.num_workers
+    task = task or build_task(config)
+    kind = {v: k for k, v in tasks.DATASET_TASK.items()}[task.kind]
+    mesh = rr.parallel.make_mesh(num_workers, AXIS)
+    replicated = NamedSharding(mesh, P())
+    batch = abstract_batch(task.model_config, kind, num_workers * batch_per_worker, seq_len)
+    per_worker = {
+        k: jax.ShapeDtypeStruct((batch_per_worker, *v.shape[1:]), v.dtype) for k, v in batch.items()
+    }
+    variables = dict(jax.eval_shape(task.init, jax.random.PRNGKey(0), per_worker))
+    params = variables.pop("params")
+
+    tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
+    step = build_step(task, tx, mesh)
+    step.state_specs = specs = rr.parallel.state_partition_specs(tx, params, mesh, AXIS)
+    sharded_params = _on(replicated, params)
+    init = jax.shard_map(
+        lambda p: rr.parallel.stack_per_worker(tx.init(p), specs),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=specs,
+    )
+    opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        jax.eval_shape(init, sharded_params),
+        specs,
+    )
+    model_state = _on(replicated, variables)
+    global_batch = _on(NamedSharding(mesh, P(AXIS)), batch)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    start = time.perf_counter()
+    compiled = step.lower(sharded_params, opt_state, model_state, global_batch, rng).compile()
+    return CompiledStep(
+        compiled, params, tx, time.perf_counter() - start, variant=variant_label(config)
+    )
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Compiled per-worker peaks of the configured variant, plain EF and dense exchange."""
+
+    num_workers: int
+    batch_per_worker: int
+    guard: bool
+    rows: list[dict[str, Any]]  # variant, peak, temp, argument, output, alias, residuals
+
+    def row(self, variant: str) -> dict[str, Any]:
+        return next(r for r in self.rows if r["variant"] == variant)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        ef = self.row("ef")["peak"]
+        lines = [
+            f"Compiled train step per worker ({self.num_workers} workers, "
+            f"{self.batch_per_worker} per worker, skip_nonfinite {'on' if self.guard else 'off'}"
+            "; peak = argument + output - alias + temp):",
+            f"  {'variant':<12s} {'peak MiB':>10s} {'temp MiB':>10s} {'residuals MiB':>14s} "
+            f"{'peak - EF':>10s}",
+        ]
+        for r in self.rows:
+            lines.append(
+                f"  {r['variant']:<12s} {r['peak'] / MiB:10.1f} {r['temp'] / MiB:10.1f} "
+                f"{r['residuals'] / MiB:14.1f} {(r['peak'] - ef) / MiB:+10.1f}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def memory_report(
+    config: ml_collections.ConfigDict,
+    batch_per_worker: int | None = None,
+    *,
+    seq_len: int = 0,
+    num_workers: int | None = None,
+    guard: bool = True,
+    task: tasks.Task | None = None,
+) -> MemoryReport:
+    """The compiled per-worker peak of the configured variant beside ``ef`` and ``dense``.
+
+    Three abstract compilations of the step the program runs (see :func:`compile_step`);
+    a variant equal to ``ef`` or ``dense`` is compiled once.
+    """
+    batch_per_worker = batch_per_worker or config.batch_size_per_worker
+    num_workers = num_workers or config.num_workers
+    rows = []
+    for variant in dict.fromkeys((variant_label(config), "ef", "dense")):
+        step = compile_step(
+            config,
+            variant=variant,
+            guard=guard,
+            batch_per_worker=batch_per_worker,
+            seq_len=seq_len,
+            num_workers=num_workers,
+            task=task,
+        )
+        states = rr.memory.model_state_bytes(step.params, step.tx)
+        rows.append(
+            {
+                "variant": variant,
+                **step.peak.as_dict(),
+                "residuals": states.residuals,
+                "compile_seconds": step.compile_seconds,
+            }
+        )
+        del step
+    return MemoryReport(num_workers, batch_per_worker, guard, rows)
