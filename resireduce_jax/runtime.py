@@ -2,7 +2,8 @@
 
 Data-parallel code is developed and tested here on one CPU that XLA splits into
 ``num_devices`` simulated devices. Four XLA:CPU behaviours matter for this library
-(see ``DESIGN.md`` §6); :func:`configure_cpu` sets the flags that address them:
+(``docs/design.md``, "JAX/XLA facts the code relies on"); :func:`configure_cpu` sets
+the flags that address them:
 
 * ``--xla_force_host_platform_device_count=N`` gives ``N`` CPU devices.
 * ``--xla_cpu_collective_call_{warn_stuck,terminate}_timeout_seconds`` make a stuck
@@ -10,13 +11,19 @@ Data-parallel code is developed and tested here on one CPU that XLA splits into
 * ``--xla_cpu_experimental_ynn_fusion_type=`` (empty) disables the YNNPACK fusion that
   returned NaN for ``(a @ ones).sum()`` with jaxlib 0.10.2.
 * ``--xla_disable_hlo_passes=cse_barrier_expander`` keeps ``jax.checkpoint``'s
-  optimization barriers; without it XLA:CPU removes them before CSE and silently undoes
-  rematerialization.
+  optimization barriers; XLA:CPU otherwise removes them early in its pipeline, before
+  later simplification and CSE passes, which then merge the recomputation back and
+  silently undo rematerialization.
 * ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
   than for concurrency, so that compiled peak-memory figures are meaningful.
 
-GPU and TPU backends ignore the ``xla_cpu_*`` flags; the remat and scheduler flags are
-CPU-specific choices and are only added when ``platform="cpu"``.
+Every flag is added whatever the platform. The host-device and ``xla_cpu_*`` flags only
+affect XLA:CPU; GPU and TPU backends ignore them. ``--xla_disable_hlo_passes`` applies to
+every backend: XLA:GPU runs that pass only after scheduling and its own
+rematerialization, so there it changes no schedule; the barriers then stay in the
+compiled HLO as no-ops (XLA:GPU emits nothing for them), which lets
+:func:`resireduce_jax.remat.compile_gradient` count them and check that a remat plan
+survived compilation on any backend.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ def cpu_flags(
       num_devices: number of simulated CPU devices, or ``None`` to leave it to XLA.
       collective_timeout_s: seconds after which a stuck CPU collective aborts the
         process (a warning is printed after half of it); ``None`` keeps XLA's default.
-      memory_scheduler: schedule HLO for low memory instead of concurrency.
-      keep_remat_barriers: keep ``jax.checkpoint`` barriers (needed for remat on CPU).
+      memory_scheduler: schedule HLO for low memory instead of concurrency (an
+        ``xla_cpu_*`` flag: no effect on other backends).
+      keep_remat_barriers: keep ``jax.checkpoint`` barriers (needed for remat on CPU;
+        harmless elsewhere, see the module docstring).
 
     Returns:
       A list of ``--flag=value`` strings.

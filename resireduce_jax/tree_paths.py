@@ -29,7 +29,7 @@ def leaf_paths(tree: PyTree) -> list[str]:
 
 
 def is_compressible(like: Any, min_size: int) -> bool:
-    """Whether a leaf is compressed (reference rule, ResiReduce code / DESIGN.md §4).
+    """Whether a leaf is compressed (reference rule; docs/design.md, "Semantics").
 
     Leaves with ``ndim <= 1`` (biases, norms, scalars) or fewer than ``min_size`` elements
     are not worth compressing: they travel dense and keep no residual. Neither do empty

@@ -1,4 +1,6 @@
-"""Test-wide setup: 8 simulated CPU devices and fail-fast collectives (DESIGN.md §6).
+"""Test-wide setup: 8 simulated CPU devices and fail-fast collectives.
+
+Why these flags: docs/design.md, "JAX/XLA facts the code relies on".
 
 The flags must be in ``XLA_FLAGS`` before JAX initializes its CPU backend, so this runs
 at import time of the test session, before any test module touches ``jax.numpy``.

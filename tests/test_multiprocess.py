@@ -1,8 +1,9 @@
 """Multi-process training on one machine: agreement, kill and resume, SIGTERM, lost peers.
 
 Every test launches the real program (``python -m train``) as several processes on
-127.0.0.1 (jax.distributed with gloo CPU collectives, DESIGN.md §6), each simulating
-``num_workers / num_processes`` devices and feeding its own rows of every global batch.
+127.0.0.1 (jax.distributed with gloo CPU collectives; docs/design.md, "Multi-process runs
+on one machine"), each simulating ``num_workers / num_processes`` devices and feeding its
+own rows of every global batch.
 Ports are picked free, every wait is bounded, and children are killed in ``finally``.
 
 :class:`LocalJob` is also used by ``benchmarks/reliability.py``.

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate"]
 
 AXIS = "data"
-# XLA:CPU aborts when too many steps with collectives are queued (DESIGN.md §6).
+# XLA:CPU aborts when too many steps with collectives are queued (docs/design.md,
+# "CPU collectives and queued steps").
 MAX_QUEUED_STEPS = 8
 # Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather, at
 # steps where the loop blocks anyway), so that all processes stop at the same step.
