@@ -291,7 +291,7 @@ class FastTopK(_SparseBase):
     the candidates.
 
     Exact ``lax.top_k`` over tens of millions of entries dominates a compressed step on CPU
-    (DESIGN.md §6). This selection touches the full leaf only with cheap, streaming
+    (docs/design.md, "Top-k selection speed on CPU"). This selection touches the full leaf only with cheap, streaming
     passes and runs the exact top-k on about ``k`` candidates:
 
     1. Threshold. A stratified sample of ``m = min(n, max(16384, ceil(sample_ratio n)))``
