@@ -291,8 +291,9 @@ class FastTopK(_SparseBase):
     the candidates.
 
     Exact ``lax.top_k`` over tens of millions of entries dominates a compressed step on CPU
-    (docs/design.md, "Top-k selection speed on CPU"). This selection touches the full leaf only with cheap, streaming
-    passes and runs the exact top-k on about ``k`` candidates:
+    (docs/design.md, "Top-k selection speed on CPU"). This selection touches the full
+    leaf only with cheap, streaming passes and runs the exact top-k on about ``k``
+    candidates:
 
     1. Threshold. A stratified sample of ``m = min(n, max(16384, ceil(sample_ratio n)))``
        magnitudes (one per stratum of ``n // m`` entries, at fixed pseudo-random offsets)
