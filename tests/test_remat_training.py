@@ -54,3 +54,37 @@ def test_budget_errors_are_clear():
     digits.remat.budget = "0.5"
     with pytest.raises(ValueError, match="no sequential form"):
         train.build_run(digits)
+
+
+def test_the_chain_has_the_models_variables_and_outputs():
+    import jax
+    import jax.numpy as jnp
+
+    from resireduce_jax import models
+    from train import remat_model
+
+    overrides = dict(stage_sizes=(1, 1), width=4, num_classes=5, image_size=16)
+    config = models.get_config("resnet50_cifar", **overrides)
+    images = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, 16, 3)), jnp.float32)
+    chain, choice = remat_model.plan_sequential_model(
+        "resnet50_cifar", config, overrides, "96%", {"image": images}
+    )
+    assert choice.plan.num_checkpoints >= 1
+    model = config.build()
+    key = jax.random.key(3)
+    variables = model.init(key, images)
+    # init is the model's: same names, same values.
+    jax.tree.map(np.testing.assert_array_equal, chain.init(key, image=images), variables)
+
+    def loss(apply, params):
+        logits, updates = apply(
+            {**variables, "params": params}, images, train=True, mutable=["batch_stats"]
+        )
+        return jnp.sum(logits**2), updates
+
+    def chain_apply(v, x, **kw):
+        return chain.apply(v, image=x, **kw)
+
+    expected = jax.grad(lambda p: loss(model.apply, p), has_aux=True)(variables["params"])
+    got = jax.jit(jax.grad(lambda p: loss(chain_apply, p), has_aux=True))(variables["params"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, expected)

@@ -1,8 +1,9 @@
 """``remat.budget``: train a sequential zoo model under an activation-memory budget.
 
-With ``config.remat.budget`` set, the model is built as a chain of layers
-(:func:`resireduce_jax.remat.zoo.sequential_layers`: stem or embedding, the repeated
-blocks, head) and :class:`resireduce_jax.remat.RotorSequential` picks the fastest rotor
+With ``config.remat.budget`` set, the model runs as the chain of stages it gives
+(:meth:`resireduce_jax.models.ModelConfig.chain_stages` via
+:func:`resireduce_jax.remat.zoo.model_chain`: stem or embedding, the repeated blocks, head)
+and :class:`resireduce_jax.remat.RotorSequential` picks the fastest rotor
 checkpointing plan whose compiled gradient peak fits the budget (Beaumont et al., "Optimal
 checkpointing for heterogeneous chains", §3–4; see ``docs/remat.md``). The plan is chosen
 once, before training, on one worker's batch shape and abstract parameters; the train step
@@ -10,9 +11,10 @@ then runs the model's gradient as that plan's nested ``jax.checkpoint``.
 
 The budget is one worker's compiled peak of ``value_and_grad`` of the model w.r.t. its
 parameters (parameters, gradients, activations and temporaries; not the optimizer state or
-the exchange). Parameters are named ``layers_<i>/...`` in this form, so grouping rules for
-the monolithic model do not apply: use ``compression.grouping = "auto"`` or rules on these
-names.
+the exchange). The variables are the monolithic model's: ``init`` is the model's own (same
+names, same values for the same key), so grouping rules, ``intra_layers`` and checkpoints
+carry over, and without dropout the chain trains exactly as the model does. With dropout
+the masks differ: the chain draws layer ``i``'s from ``jax.random.split(key, layers)[i]``.
 """
 
 from __future__ import annotations
@@ -41,15 +43,18 @@ def budget_value(budget: str) -> float | str:
 
 @dataclasses.dataclass(frozen=True)
 class SequentialModel:
-    """A :class:`RotorSequential` behind the zoo models' keyword-input calling convention.
+    """A :class:`RotorSequential` behind the zoo models' calling convention and names.
 
     :class:`train.tasks.Task` calls ``model.init(key, tokens=...)`` and
-    ``model.apply(variables, tokens=..., train=..., rngs=..., mutable=...)``; the chain
-    takes its single input positionally.
+    ``model.apply(variables, tokens=..., train=..., rngs=..., mutable=...)`` with the
+    monolithic model's variables; the chain takes its single input positionally and its
+    variables per layer (``chain`` translates both ways).
     """
 
     rotor: remat.RotorSequential
     input_name: str
+    model: Any
+    chain: remat.zoo.ModelChain
 
     def _input(self, inputs: dict[str, Any]) -> Any:
         if set(inputs) - {self.input_name} or self.input_name not in inputs:
@@ -59,12 +64,20 @@ class SequentialModel:
         return inputs[self.input_name]
 
     def init(self, key: jax.Array, **inputs: Any) -> dict[str, Any]:
-        return self.rotor.init(key, self._input(inputs), train=False)
+        return self.model.init(key, self._input(inputs), train=False)
 
     def apply(self, variables, *, rngs=None, mutable=False, train: bool = False, **inputs):
-        return self.rotor.apply(
-            variables, self._input(inputs), rngs=rngs, mutable=mutable, train=train
+        out = self.rotor.apply(
+            self.chain.chain_variables(variables),
+            self._input(inputs),
+            rngs=rngs,
+            mutable=mutable,
+            train=train,
         )
+        if mutable is False or mutable == []:
+            return out
+        outputs, updates = out
+        return outputs, self.chain.model_variables(updates)
 
 
 def plan_sequential_model(
@@ -92,10 +105,13 @@ def plan_sequential_model(
         budget below the smallest compiled peak any plan reaches (the message states it).
     """
     (input_name,) = model_config.input_names
-    layers = remat.zoo.sequential_layers(model_name, **model_overrides)
-    rotor = remat.RotorSequential(layers)
+    chain = remat.zoo.model_chain(model_name, **model_overrides)
+    rotor = remat.RotorSequential(chain.layers)
+    model = model_config.build()
     x = jax.ShapeDtypeStruct(example_inputs[input_name].shape, example_inputs[input_name].dtype)
-    variables = jax.eval_shape(lambda k: rotor.init(k, x, train=False), jax.random.key(0))
+    variables = chain.chain_variables(
+        jax.eval_shape(lambda k, x: model.init(k, x, train=False), jax.random.key(0), x)
+    )
     rngs = {name: jax.random.key(i) for i, name in enumerate(model_config.rng_names)}
     mutable = list(model_config.mutable_collections) or False
     planned, choice = rotor.with_budget(
@@ -106,4 +122,4 @@ def plan_sequential_model(
         mutable=mutable,
         train=True,
     )
-    return SequentialModel(planned, input_name), choice
+    return SequentialModel(planned, input_name, model, chain), choice

@@ -7,6 +7,12 @@ arrays ``model.apply`` takes and which arrays are the targets (:attr:`input_name
 mutable in training (:attr:`mutable_collections`) and which PRNG streams training needs
 (:attr:`rng_names`). Invalid values raise a ``ValueError`` when the configuration is made,
 so a typo in an override fails before anything is traced.
+
+Models that are a chain (stem, repeated blocks, head: ResNet, GPT-2, ViT) also give that
+chain (:meth:`ModelConfig.chain_stages`): one :class:`ChainStage` per stage, each a linen
+module whose parameters carry the monolithic model's names, and where in the model's
+variables they sit. The monolithic model is built from the same code, so the chain computes
+what the model computes; :mod:`resireduce_jax.remat.zoo` runs it with rematerialization.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ModelConfig", "as_dtype", "check_batch_size", "image_batch"]
+__all__ = ["ChainStage", "ModelConfig", "as_dtype", "check_batch_size", "image_batch"]
 
 
 def as_dtype(value: Any, field: str) -> jnp.dtype:
@@ -32,6 +38,47 @@ def as_dtype(value: Any, field: str) -> jnp.dtype:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{field}={value!r} must be a floating-point dtype, got {dtype}.")
     return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainStage:
+    """One stage of a model's chain form and where its variables sit in the model's.
+
+    Attributes:
+      module: a linen module mapping the previous stage's output (the model's input for
+        the first stage) to its own; it takes ``train=`` when the model does.
+      scope: the model's submodule this stage is (``"h_3"``): the stage's variables are
+        the model's ``variables[collection][scope]``.
+      names: for a stage that is not one submodule (stems, heads), the model's top-level
+        entries it holds (``("conv1", "bn1")``); each ``variables[collection][name]`` is
+        the stage's ``[name]``. Two stages may hold the same entry (GPT-2's embedding and
+        tied head both hold ``wte``).
+    """
+
+    module: nn.Module
+    scope: str | None = None
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.scope is None) == (not self.names):
+            raise ValueError("A ChainStage has either a scope or top-level names, not both.")
+
+    def select(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """This stage's part of one collection of the model's variables (may be empty)."""
+        if self.scope is not None:
+            return tree.get(self.scope, {})
+        return {name: tree[name] for name in self.names if name in tree}
+
+    def place(self, tree: dict[str, Any], stage_tree: dict[str, Any]) -> None:
+        """Writes this stage's part of a collection back into the model's ``tree``.
+
+        A top-level entry two stages hold is taken from the first (tied weights).
+        """
+        if self.scope is not None:
+            tree[self.scope] = stage_tree
+        else:
+            for name, value in stage_tree.items():
+                tree.setdefault(name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +127,20 @@ class ModelConfig:
     def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes and dtypes of one batch: the inputs of ``model.apply`` and the targets."""
         raise NotImplementedError
+
+    def chain_stages(self) -> list[ChainStage]:
+        """The model as a chain of stages (stem or embedding, blocks, head).
+
+        Applying the stages' modules in turn, each to the previous output and with its part
+        of the model's variables (:meth:`ChainStage.select`), computes the model's output.
+
+        Raises:
+          ValueError: for a model that is not a chain of single-input stages.
+        """
+        raise ValueError(
+            f"{type(self).__name__} models have no sequential form; the chain-able models are "
+            "the ResNet, GPT-2 and ViT configurations."
+        )
 
     # Helpers for subclasses' validate().
 

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention
-from resireduce_jax.models.config import ModelConfig, check_batch_size
+from resireduce_jax.models.config import ChainStage, ModelConfig, check_batch_size
 
-__all__ = ["GPT2", "MLP", "Attention", "Block", "GPT2Config"]
+__all__ = ["GPT2", "MLP", "Attention", "Block", "Embedding", "GPT2Config", "Head", "chain_stages"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +100,9 @@ class GPT2Config(ModelConfig):
 
     def build(self) -> GPT2:
         return GPT2(self)
+
+    def chain_stages(self) -> list[ChainStage]:
+        return chain_stages(self)
 
     def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """``tokens`` and next-token ``targets``, both int32 ``[batch, seq_len]``."""
@@ -185,6 +188,77 @@ class Block(nn.Module):
         return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x), train=train)
 
 
+def _token_embedding(c: GPT2Config) -> nn.Embed:
+    """``wte``: the token embedding, also the (tied) output projection."""
+    return nn.Embed(
+        c.vocab_size,
+        c.width,
+        embedding_init=nn.initializers.normal(c.initializer_range),
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="wte",
+    )
+
+
+def _embed(c: GPT2Config, wte: nn.Embed, tokens: jax.Array, train: bool) -> jax.Array:
+    """Token and position embeddings, then dropout, in the caller's scope."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"GPT2 expects integer token ids of shape [batch, length], got "
+            f"{tokens.dtype}{list(tokens.shape)}."
+        )
+    length = tokens.shape[1]
+    if length > c.max_len:
+        raise ValueError(
+            f"sequence length {length} exceeds the {c.max_len} learned positions; "
+            "pass shorter sequences or build the model with a larger max_len."
+        )
+    wpe = nn.Embed(
+        c.max_len,
+        c.width,
+        embedding_init=nn.initializers.normal(c.initializer_range),
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="wpe",
+    )
+    x = wte(tokens) + wpe(jnp.arange(length)[None, :])
+    return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
+
+
+def _head(c: GPT2Config, wte: nn.Embed, x: jax.Array) -> jax.Array:
+    """``ln_f``, then the tied projection ``wte.attend``; float32 logits."""
+    return wte.attend(_layer_norm(c, "ln_f")(x)).astype(jnp.float32)
+
+
+class Embedding(nn.Module):
+    """The embedding as a chain stage: token ids to activations (``wte``, ``wpe``)."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        return _embed(self.config, _token_embedding(self.config), tokens, train)
+
+
+class Head(nn.Module):
+    """The head as a chain stage: ``ln_f`` and the projection by ``wte`` (tied)."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _head(self.config, _token_embedding(self.config), x)
+
+
+def chain_stages(config: GPT2Config) -> list[ChainStage]:
+    """:class:`Embedding`, the blocks ``h_{i}``, :class:`Head`; both ends hold ``wte``."""
+    return [
+        ChainStage(Embedding(config), names=("wte", "wpe")),
+        *(ChainStage(Block(config), scope=f"h_{i}") for i in range(config.num_layers)),
+        ChainStage(Head(config), names=("ln_f", "wte")),
+    ]
+
+
 class GPT2(nn.Module):
     """GPT-2 language model; returns float32 next-token logits ``[batch, length, vocab]``."""
 
@@ -193,37 +267,8 @@ class GPT2(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
         c = self.config
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"GPT2 expects integer token ids of shape [batch, length], got "
-                f"{tokens.dtype}{list(tokens.shape)}."
-            )
-        length = tokens.shape[1]
-        if length > c.max_len:
-            raise ValueError(
-                f"sequence length {length} exceeds the {c.max_len} learned positions; "
-                "pass shorter sequences or build the model with a larger max_len."
-            )
-        embed_init = nn.initializers.normal(c.initializer_range)
-        wte = nn.Embed(
-            c.vocab_size,
-            c.width,
-            embedding_init=embed_init,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="wte",
-        )
-        wpe = nn.Embed(
-            c.max_len,
-            c.width,
-            embedding_init=embed_init,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="wpe",
-        )
-        x = wte(tokens) + wpe(jnp.arange(length)[None, :])
-        x = nn.Dropout(c.dropout_rate)(x, deterministic=not train)
+        wte = _token_embedding(c)
+        x = _embed(c, wte, tokens, train)
         for i in range(c.num_layers):
             x = Block(c, name=f"h_{i}")(x, train=train)
-        x = _layer_norm(c, "ln_f")(x)
-        return wte.attend(x).astype(jnp.float32)
+        return _head(c, wte, x)

@@ -38,9 +38,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models.config import ModelConfig, image_batch
+from resireduce_jax.models.config import ChainStage, ModelConfig, image_batch
 
-__all__ = ["EXPANSION", "Bottleneck", "ResNet", "ResNetConfig"]
+__all__ = ["EXPANSION", "Bottleneck", "Head", "ResNet", "ResNetConfig", "Stem", "chain_stages"]
 
 #: Output channels of a bottleneck block per channel of its 3x3 conv (He et al. 2016, Fig. 5).
 EXPANSION = 4
@@ -98,6 +98,9 @@ class ResNetConfig(ModelConfig):
 
     def build(self) -> ResNet:
         return ResNet(self)
+
+    def chain_stages(self) -> list[ChainStage]:
+        return chain_stages(self)
 
     def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """float32 NHWC ``image`` and int32 ``label``."""
@@ -172,6 +175,101 @@ class Bottleneck(nn.Module):
         return nn.relu(y + shortcut)
 
 
+def _stem(c: ResNetConfig, image: jax.Array, train: bool) -> jax.Array:
+    """``relu(bn1(conv1(image)))`` (and the ImageNet stem's max-pool), in the caller's scope."""
+    if image.ndim != 4 or image.shape[-1] != c.num_channels:
+        raise ValueError(
+            f"ResNet expects NHWC images with {c.num_channels} channels, got shape "
+            f"{list(image.shape)}."
+        )
+    kernel, stride = (3, 1) if c.stem == "cifar" else (7, 2)
+    x = nn.Conv(
+        c.width,
+        (kernel, kernel),
+        strides=(stride, stride),
+        padding=_same_padding(kernel),
+        use_bias=False,
+        kernel_init=_conv_init,
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="conv1",
+    )(image)
+    x = nn.BatchNorm(
+        use_running_average=not train,
+        momentum=c.bn_momentum,
+        epsilon=c.bn_epsilon,
+        axis_name=c.bn_axis_name,
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="bn1",
+    )(x)
+    x = nn.relu(x)
+    if c.stem == "imagenet":
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    return x
+
+
+def _head(c: ResNetConfig, x: jax.Array) -> jax.Array:
+    """Global average pooling and the ``fc`` classifier, in the caller's scope."""
+    logits = nn.Dense(
+        c.num_classes,
+        kernel_init=_linear_init,
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="fc",
+    )(jnp.mean(x, axis=(1, 2)))
+    return logits.astype(jnp.float32)
+
+
+def _blocks(c: ResNetConfig) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, Bottleneck fields)`` of every block, in order."""
+    settings = dict(
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        bn_momentum=c.bn_momentum,
+        bn_epsilon=c.bn_epsilon,
+        bn_axis_name=c.bn_axis_name,
+    )
+    return [
+        (
+            f"layer{stage + 1}_{block}",
+            dict(features=c.width * 2**stage, strides=2 if stage > 0 and block == 0 else 1)
+            | settings,
+        )
+        for stage, count in enumerate(c.stage_sizes)
+        for block in range(count)
+    ]
+
+
+class Stem(nn.Module):
+    """The stem as a chain stage: image to first-stage input (``conv1``, ``bn1``)."""
+
+    config: ResNetConfig
+
+    @nn.compact
+    def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
+        return _stem(self.config, image, train)
+
+
+class Head(nn.Module):
+    """The head as a chain stage: pooling and ``fc``; float32 logits."""
+
+    config: ResNetConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _head(self.config, x)
+
+
+def chain_stages(config: ResNetConfig) -> list[ChainStage]:
+    """:class:`Stem`, one :class:`Bottleneck` per block, :class:`Head` (ResNet's names)."""
+    return [
+        ChainStage(Stem(config), names=("conv1", "bn1")),
+        *(ChainStage(Bottleneck(**fields), scope=name) for name, fields in _blocks(config)),
+        ChainStage(Head(config), names=("fc",)),
+    ]
+
+
 class ResNet(nn.Module):
     """Bottleneck ResNet classifier; returns float32 logits ``[batch, num_classes]``."""
 
@@ -179,57 +277,7 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
-        c = self.config
-        if image.ndim != 4 or image.shape[-1] != c.num_channels:
-            raise ValueError(
-                f"ResNet expects NHWC images with {c.num_channels} channels, got shape "
-                f"{list(image.shape)}."
-            )
-        block_settings = dict(
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            bn_momentum=c.bn_momentum,
-            bn_epsilon=c.bn_epsilon,
-            bn_axis_name=c.bn_axis_name,
-        )
-        stem_kernel, stem_stride = (3, 1) if c.stem == "cifar" else (7, 2)
-        x = nn.Conv(
-            c.width,
-            (stem_kernel, stem_kernel),
-            strides=(stem_stride, stem_stride),
-            padding=_same_padding(stem_kernel),
-            use_bias=False,
-            kernel_init=_conv_init,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="conv1",
-        )(image)
-        x = nn.BatchNorm(
-            use_running_average=not train,
-            momentum=c.bn_momentum,
-            epsilon=c.bn_epsilon,
-            axis_name=c.bn_axis_name,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="bn1",
-        )(x)
-        x = nn.relu(x)
-        if c.stem == "imagenet":
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
-        for stage, num_blocks in enumerate(c.stage_sizes):
-            for block in range(num_blocks):
-                x = Bottleneck(
-                    features=c.width * 2**stage,
-                    strides=2 if stage > 0 and block == 0 else 1,
-                    name=f"layer{stage + 1}_{block}",
-                    **block_settings,
-                )(x, train=train)
-        x = jnp.mean(x, axis=(1, 2))  # global average pooling
-        logits = nn.Dense(
-            c.num_classes,
-            kernel_init=_linear_init,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="fc",
-        )(x)
-        return logits.astype(jnp.float32)
+        x = _stem(self.config, image, train)
+        for name, fields in _blocks(self.config):
+            x = Bottleneck(name=name, **fields)(x, train=train)
+        return _head(self.config, x)

@@ -36,9 +36,18 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention
-from resireduce_jax.models.config import ModelConfig, image_batch
+from resireduce_jax.models.config import ChainStage, ModelConfig, image_batch
 
-__all__ = ["MLP", "Attention", "Block", "ViTConfig", "VisionTransformer"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "Block",
+    "Embedding",
+    "Head",
+    "ViTConfig",
+    "VisionTransformer",
+    "chain_stages",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +116,9 @@ class ViTConfig(ModelConfig):
 
     def build(self) -> VisionTransformer:
         return VisionTransformer(self)
+
+    def chain_stages(self) -> list[ChainStage]:
+        return chain_stages(self)
 
     def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """float32 NHWC ``image`` and int32 ``label``."""
@@ -184,6 +196,85 @@ class Block(nn.Module):
         return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "norm2")(x), train=train)
 
 
+def _embed(module: nn.Module, image: jax.Array, train: bool) -> jax.Array:
+    """Patch embedding, class token, position embedding, dropout (Eq. 1), in ``module``.
+
+    ``module`` is the compact module being run (its ``config`` is a :class:`ViTConfig`);
+    the parameters are its own.
+    """
+    c = module.config
+    expected = (c.image_size, c.image_size, c.num_channels)
+    if image.ndim != 4 or tuple(image.shape[1:]) != expected:
+        raise ValueError(
+            f"VisionTransformer expects NHWC images [batch, {', '.join(map(str, expected))}]"
+            f" (the position embedding is sized for them), got {list(image.shape)}; "
+            "set image_size / num_channels to match the data."
+        )
+    patches = nn.Conv(
+        c.width,
+        (c.patch_size, c.patch_size),
+        strides=(c.patch_size, c.patch_size),
+        padding="VALID",
+        kernel_init=nn.initializers.lecun_normal(),
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="patch_embed",
+    )(image)
+    batch = patches.shape[0]
+    x = patches.reshape(batch, -1, c.width)
+    cls_token = module.param(
+        "cls_token", nn.initializers.normal(1e-6), (1, 1, c.width), c.param_dtype
+    )
+    pos_embed = module.param(
+        "pos_embed", _weight_init, (1, c.num_patches + 1, c.width), c.param_dtype
+    )
+    cls_tokens = jnp.broadcast_to(cls_token.astype(c.dtype), (batch, 1, c.width))
+    x = jnp.concatenate([cls_tokens, x.astype(c.dtype)], axis=1) + pos_embed.astype(c.dtype)
+    return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
+
+
+def _head(c: ViTConfig, x: jax.Array) -> jax.Array:
+    """``norm``, then the ``head`` classifier on the class token (Eq. 4); float32 logits."""
+    x = _layer_norm(c, "norm")(x)
+    logits = nn.Dense(
+        c.num_classes,
+        kernel_init=_weight_init,
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="head",
+    )(x[:, 0])
+    return logits.astype(jnp.float32)
+
+
+class Embedding(nn.Module):
+    """The embedding as a chain stage (``patch_embed``, ``cls_token``, ``pos_embed``)."""
+
+    config: ViTConfig
+
+    @nn.compact
+    def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
+        return _embed(self, image, train)
+
+
+class Head(nn.Module):
+    """The head as a chain stage (``norm``, ``head``); float32 logits."""
+
+    config: ViTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _head(self.config, x)
+
+
+def chain_stages(config: ViTConfig) -> list[ChainStage]:
+    """:class:`Embedding`, the blocks ``blocks_{i}``, :class:`Head` (the model's names)."""
+    return [
+        ChainStage(Embedding(config), names=("patch_embed", "cls_token", "pos_embed")),
+        *(ChainStage(Block(config), scope=f"blocks_{i}") for i in range(config.num_layers)),
+        ChainStage(Head(config), names=("norm", "head")),
+    ]
+
+
 class VisionTransformer(nn.Module):
     """ViT classifier; returns float32 logits ``[batch, num_classes]``."""
 
@@ -191,43 +282,7 @@ class VisionTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
-        c = self.config
-        expected = (c.image_size, c.image_size, c.num_channels)
-        if image.ndim != 4 or tuple(image.shape[1:]) != expected:
-            raise ValueError(
-                f"VisionTransformer expects NHWC images [batch, {', '.join(map(str, expected))}]"
-                f" (the position embedding is sized for them), got {list(image.shape)}; "
-                "set image_size / num_channels to match the data."
-            )
-        patches = nn.Conv(
-            c.width,
-            (c.patch_size, c.patch_size),
-            strides=(c.patch_size, c.patch_size),
-            padding="VALID",
-            kernel_init=nn.initializers.lecun_normal(),
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="patch_embed",
-        )(image)
-        batch = patches.shape[0]
-        x = patches.reshape(batch, -1, c.width)
-        cls_token = self.param(
-            "cls_token", nn.initializers.normal(1e-6), (1, 1, c.width), c.param_dtype
-        )
-        pos_embed = self.param(
-            "pos_embed", _weight_init, (1, c.num_patches + 1, c.width), c.param_dtype
-        )
-        cls_tokens = jnp.broadcast_to(cls_token.astype(c.dtype), (batch, 1, c.width))
-        x = jnp.concatenate([cls_tokens, x.astype(c.dtype)], axis=1) + pos_embed.astype(c.dtype)
-        x = nn.Dropout(c.dropout_rate)(x, deterministic=not train)
-        for i in range(c.num_layers):
-            x = Block(c, name=f"blocks_{i}")(x, train=train)
-        x = _layer_norm(c, "norm")(x)
-        logits = nn.Dense(
-            c.num_classes,
-            kernel_init=_weight_init,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="head",
-        )(x[:, 0])
-        return logits.astype(jnp.float32)
+        x = _embed(self, image, train)
+        for i in range(self.config.num_layers):
+            x = Block(self.config, name=f"blocks_{i}")(x, train=train)
+        return _head(self.config, x)

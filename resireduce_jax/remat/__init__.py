@@ -12,7 +12,8 @@ chains: how to train deep neural networks with limited memory" (arXiv:1911.13214
 * :class:`ChainPlanner` / :func:`checkpoint_chain`: the fastest plan whose *compiled*
   gradient peak fits a budget (bytes, or a fraction of the no-remat peak).
 * :class:`RotorSequential`: the same for a sequence of Flax linen layers;
-  :func:`zoo.sequential_layers` gives ResNet / GPT-2 / ViT of the model zoo as such layers.
+  :func:`zoo.model_chain` runs the chain-able models of the zoo (ResNet / GPT-2 / ViT, whose
+  stages the models give) as such layers, with the models' own parameter names.
 * :mod:`baselines`: no remat, every stage, √L segments, recursive halving.
 
 On CPU, ``XLA_FLAGS`` must contain ``--xla_disable_hlo_passes=cse_barrier_expander`` (see

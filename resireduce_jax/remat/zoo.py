@@ -1,230 +1,102 @@
-"""Models of :mod:`resireduce_jax.models` as sequences of layers, for :class:`RotorSequential`.
+"""Models of :mod:`resireduce_jax.models` as chains for :class:`RotorSequential`.
 
-A rotor plan checkpoints a *chain*: the model zoo's repeated blocks
-(:class:`resireduce_jax.models.resnet.Bottleneck`, :class:`resireduce_jax.models.gpt2.Block`,
-:class:`resireduce_jax.models.vit.Block`) are its stages as they are; this module adds the
-two ends (stem or embedding, and head) as layers of their own, built from the same
-configuration::
+A rotor plan checkpoints a *chain*. The models that are chains (ResNet, GPT-2, ViT) give
+their stages themselves (:meth:`resireduce_jax.models.ModelConfig.chain_stages`: stem or
+embedding, the repeated blocks, head, built from the same code as the monolithic module);
+this module only runs them as a :class:`RotorSequential` and maps variables between the
+two layouts::
 
-    layers = sequential_layers("resnet50_cifar")      # stem, 16 bottlenecks, head
-    model = RotorSequential(layers)
+    chain = model_chain("resnet50_cifar")           # stem, 16 bottlenecks, head
+    rotor = RotorSequential(chain.layers)
+    variables = get_model("resnet50_cifar").init(key, images)      # the model's names
+    logits = rotor.apply(chain.chain_variables(variables), images)  # == model.apply
 
-Differences from the monolithic modules: parameters are named ``layers_<i>/...``; GPT-2's
-output projection is a separate ``[width, vocab]`` matrix instead of being tied to the token
-embedding (a chain stage owns its parameters), which adds ``width · vocab`` parameters
-(38.6M for GPT-2 small).
+:class:`RotorSequential` names a chain's variables ``layers_<i>/...``;
+:meth:`ModelChain.chain_variables` and :meth:`ModelChain.model_variables` translate
+between that layout and the model's own (``conv1``, ``layer1_0/...``, ``fc``), so a model
+trained through its chain has the monolithic model's parameters. Tied weights (GPT-2's
+``wte``, both embedding and output projection) are given to every stage that uses them;
+inside a differentiated function the gradients of both uses add up, as in the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 
 from resireduce_jax.models import get_config
-from resireduce_jax.models.gpt2 import Block as GPT2Block
-from resireduce_jax.models.gpt2 import GPT2Config
-from resireduce_jax.models.resnet import Bottleneck, ResNetConfig
-from resireduce_jax.models.vit import Block as ViTBlock
-from resireduce_jax.models.vit import ViTConfig
+from resireduce_jax.models.config import ChainStage
 
-__all__ = [
-    "GPT2Embedding",
-    "GPT2Head",
-    "ResNetHead",
-    "ResNetStem",
-    "ViTEmbedding",
-    "ViTHead",
-    "sequential_layers",
-]
+__all__ = ["ModelChain", "model_chain", "sequential_layers"]
 
 
-def _same_padding(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    return ((kernel // 2, kernel // 2), (kernel // 2, kernel // 2))
+def _layer_name(i: int) -> str:
+    # RotorSequential's naming of layer i's variables.
+    return f"layers_{i}"
 
 
-class ResNetStem(nn.Module):
-    """``relu(bn1(conv1(image)))`` (and the ImageNet stem's max-pool), as in ``ResNet``."""
+@dataclasses.dataclass(frozen=True)
+class ModelChain:
+    """A model's stages, and the map between its variables and its chain's.
 
-    config: ResNetConfig
+    Attributes:
+      stages: the model's :class:`ChainStage` list.
+    """
 
-    @nn.compact
-    def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
-        c = self.config
-        kernel, stride = (3, 1) if c.stem == "cifar" else (7, 2)
-        x = nn.Conv(
-            c.width,
-            (kernel, kernel),
-            strides=(stride, stride),
-            padding=_same_padding(kernel),
-            use_bias=False,
-            kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="conv1",
-        )(image)
-        x = nn.BatchNorm(
-            use_running_average=not train,
-            momentum=c.bn_momentum,
-            epsilon=c.bn_epsilon,
-            axis_name=c.bn_axis_name,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="bn1",
-        )(x)
-        x = nn.relu(x)
-        if c.stem == "imagenet":
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
-        return x
+    stages: tuple[ChainStage, ...]
 
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(self.stages))
 
-class ResNetHead(nn.Module):
-    """Global average pooling and the ``fc`` classifier; float32 logits."""
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The stages' modules, for :class:`RotorSequential`."""
+        return [stage.module for stage in self.stages]
 
-    config: ResNetConfig
+    def chain_variables(self, variables: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The model's variables laid out for :class:`RotorSequential` (``layers_<i>``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for collection, tree in variables.items():
+            layers = {}
+            for i, stage in enumerate(self.stages):
+                part = stage.select(tree)
+                if part:
+                    layers[_layer_name(i)] = part
+            out[collection] = layers
+        return out
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        logits = nn.Dense(
-            c.num_classes,
-            kernel_init=nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"),
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="fc",
-        )(jnp.mean(x, axis=(1, 2)))
-        return logits.astype(jnp.float32)
+    def model_variables(self, chain_variables: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """:class:`RotorSequential` variables (or updates) under the model's names.
+
+        An entry two stages hold (tied weights) is taken from the first of them.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for collection, layers in chain_variables.items():
+            tree: dict[str, Any] = {}
+            for i, stage in enumerate(self.stages):
+                if _layer_name(i) in layers:
+                    stage.place(tree, layers[_layer_name(i)])
+            out[collection] = tree
+        return out
 
 
-class GPT2Embedding(nn.Module):
-    """Token and position embeddings, then dropout: ``[batch, length]`` ids to activations."""
-
-    config: GPT2Config
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
-        c = self.config
-        init = nn.initializers.normal(c.initializer_range)
-        settings = dict(embedding_init=init, dtype=c.dtype, param_dtype=c.param_dtype)
-        x = nn.Embed(c.vocab_size, c.width, name="wte", **settings)(tokens)
-        x = x + nn.Embed(c.max_len, c.width, name="wpe", **settings)(
-            jnp.arange(tokens.shape[1])[None, :]
-        )
-        return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
-
-
-class GPT2Head(nn.Module):
-    """Final LayerNorm and an (untied) ``[width, vocab]`` projection; float32 logits."""
-
-    config: GPT2Config
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        x = nn.LayerNorm(
-            epsilon=c.layer_norm_epsilon, dtype=c.dtype, param_dtype=c.param_dtype, name="ln_f"
-        )(x)
-        logits = nn.Dense(
-            c.vocab_size,
-            use_bias=False,
-            kernel_init=nn.initializers.normal(c.initializer_range),
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="lm_head",
-        )(x)
-        return logits.astype(jnp.float32)
-
-
-class ViTEmbedding(nn.Module):
-    """Patch embedding, class token and position embedding, then dropout."""
-
-    config: ViTConfig
-
-    @nn.compact
-    def __call__(self, image: jax.Array, *, train: bool = False) -> jax.Array:
-        c = self.config
-        patches = nn.Conv(
-            c.width,
-            (c.patch_size, c.patch_size),
-            strides=(c.patch_size, c.patch_size),
-            padding="VALID",
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="patch_embed",
-        )(image)
-        batch = patches.shape[0]
-        x = patches.reshape(batch, -1, c.width)
-        cls_token = self.param(
-            "cls_token", nn.initializers.normal(1e-6), (1, 1, c.width), c.param_dtype
-        )
-        pos_embed = self.param(
-            "pos_embed",
-            nn.initializers.normal(0.02),
-            (1, c.num_patches + 1, c.width),
-            c.param_dtype,
-        )
-        cls_tokens = jnp.broadcast_to(cls_token.astype(c.dtype), (batch, 1, c.width))
-        x = jnp.concatenate([cls_tokens, x.astype(c.dtype)], axis=1) + pos_embed.astype(c.dtype)
-        return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
-
-
-class ViTHead(nn.Module):
-    """Final LayerNorm and the classifier on the class token; float32 logits."""
-
-    config: ViTConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        x = nn.LayerNorm(
-            epsilon=c.layer_norm_epsilon, dtype=c.dtype, param_dtype=c.param_dtype, name="norm"
-        )(x)
-        logits = nn.Dense(c.num_classes, dtype=c.dtype, param_dtype=c.param_dtype, name="head")(
-            x[:, 0]
-        )
-        return logits.astype(jnp.float32)
-
-
-def sequential_layers(name: str, **overrides: Any) -> list[nn.Module]:
-    """The layers of model ``name`` as a chain: stem/embedding, blocks, head.
+def model_chain(name: str, **overrides: Any) -> ModelChain:
+    """The chain form of model ``name`` of :data:`resireduce_jax.models.MODELS`.
 
     Args:
-      name: a model of :data:`resireduce_jax.models.MODELS` built from ResNet, GPT-2 or
-        ViT configurations (``"resnet50_cifar"``, ``"gpt2_small"``, ``"vit_s16"`` ...).
+      name: a chain-able model (``"resnet50_cifar"``, ``"gpt2_small"``, ``"vit_s16"`` ...).
       **overrides: configuration fields to replace (see
         :func:`resireduce_jax.models.get_config`).
 
-    Returns:
-      A list of linen modules; apply them with :class:`RotorSequential`.
-
     Raises:
-      ValueError: for a model that is not one of these families.
+      ValueError: for a model that has no sequential form (``digits_mlp``, BERT, VGG).
     """
-    config = get_config(name, **overrides)
-    if isinstance(config, ResNetConfig):
-        blocks = [
-            Bottleneck(
-                features=config.width * 2**stage,
-                strides=2 if stage > 0 and block == 0 else 1,
-                dtype=config.dtype,
-                param_dtype=config.param_dtype,
-                bn_momentum=config.bn_momentum,
-                bn_epsilon=config.bn_epsilon,
-                bn_axis_name=config.bn_axis_name,
-            )
-            for stage, count in enumerate(config.stage_sizes)
-            for block in range(count)
-        ]
-        return [ResNetStem(config), *blocks, ResNetHead(config)]
-    if isinstance(config, GPT2Config):
-        blocks = [GPT2Block(config) for _ in range(config.num_layers)]
-        return [GPT2Embedding(config), *blocks, GPT2Head(config)]
-    if isinstance(config, ViTConfig):
-        blocks = [ViTBlock(config) for _ in range(config.num_layers)]
-        return [ViTEmbedding(config), *blocks, ViTHead(config)]
-    raise ValueError(
-        f"Model {name!r} ({type(config).__name__}) has no sequential form here; supported "
-        "families are ResNet, GPT-2 and ViT configurations."
-    )
+    return ModelChain(tuple(get_config(name, **overrides).chain_stages()))
+
+
+def sequential_layers(name: str, **overrides: Any) -> Sequence[nn.Module]:
+    """The layers of model ``name`` as a chain: ``model_chain(name, ...).layers``."""
+    return model_chain(name, **overrides).layers
