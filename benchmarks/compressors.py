@@ -47,8 +47,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from resireduce_jax import compressors as C  # noqa: E402
+from resireduce_jax.exchange import leaf_key  # noqa: E402
 from resireduce_jax.hlo import collectives, peak_memory  # noqa: E402
-from resireduce_jax.transforms import leaf_key  # noqa: E402
 
 AXIS = "data"
 

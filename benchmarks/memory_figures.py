@@ -43,7 +43,6 @@ from common import RESULTS, MiB, environment, load_config, write_results
 
 import resireduce_jax as rr
 from resireduce_jax import models
-from resireduce_jax.residual_reduction import ResiReduceState
 from resireduce_jax.residual_stores import BlockResidual, RowsResidual
 from resireduce_jax.tree_paths import is_compressible, leaf_paths, path_to_str
 from train import config_schema, factory
@@ -138,11 +137,9 @@ def exchange(comp, variant: str, params, dense: str | None = None) -> optax.Grad
 def intra_layers_of(params, tx: optax.GradientTransformation) -> list[str]:
     """Labels of the residuals that ``tx`` stores as rows or a 2-D block (shapes only)."""
     state = jax.eval_shape(tx.init, params)
-    is_state = lambda x: isinstance(x, ResiReduceState)
     return sorted(
         label
-        for node in jax.tree.leaves(state, is_leaf=is_state)
-        if is_state(node)
+        for node in rr.exchange.exchange_states(state)
         for label, store in node.residuals.items()
         if isinstance(store, (BlockResidual, RowsResidual))
     )

@@ -12,6 +12,7 @@
 
 from resireduce_jax import (
     compressors,
+    exchange,
     grouping,
     hlo,
     memory,
@@ -23,28 +24,24 @@ from resireduce_jax import (
     runtime,
     tree_paths,
 )
+from resireduce_jax.exchange import ExchangeState, ExchangeTransformation
 from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from resireduce_jax.optimizers import adamw_r, adan_r, lion_r, optimizer_step
-from resireduce_jax.residual_reduction import ResiReduceState, resireduce
-from resireduce_jax.transforms import (
-    CompressedMeanState,
-    ErrorFeedbackState,
-    compressed_mean,
-    error_feedback,
-)
+from resireduce_jax.residual_reduction import resireduce
+from resireduce_jax.transforms import compressed_mean, error_feedback
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressedMeanState",
-    "ErrorFeedbackState",
-    "ResiReduceState",
+    "ExchangeState",
+    "ExchangeTransformation",
     "SkipNonFiniteState",
     "adamw_r",
     "adan_r",
     "compressed_mean",
     "compressors",
     "error_feedback",
+    "exchange",
     "grouping",
     "hlo",
     "lion_r",

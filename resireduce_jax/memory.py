@@ -7,7 +7,7 @@ error-feedback residuals. :func:`model_state_bytes` computes these from shapes a
 answers for a 7-billion-parameter model on a laptop. Residual bytes are per worker, as
 each worker stores its own.
 
-Category rules: state fields ``residuals`` of this library's transforms are *residuals*,
+Category rules: the ``residuals`` of this library's exchange states are *residuals*,
 their ``compressor_state`` is *compressor* state (e.g. PowerSGD's ``Q``), every other
 state leaf (moments, counters) is *optimizer* state. *Gradients* count one
 parameter-sized buffer, as the paper does.
@@ -26,14 +26,11 @@ import jax
 import numpy as np
 import optax
 
-from resireduce_jax.residual_reduction import ResiReduceState
-from resireduce_jax.transforms import CompressedMeanState, ErrorFeedbackState
+from resireduce_jax.exchange import ExchangeState
 
 PyTree = Any
 
 __all__ = ["MemoryComparison", "ModelStateBytes", "compare", "model_state_bytes", "tree_bytes"]
-
-_OUR_STATES = (ErrorFeedbackState, ResiReduceState, CompressedMeanState)
 
 
 def tree_bytes(tree: PyTree) -> int:
@@ -81,9 +78,9 @@ def model_state_bytes(params: PyTree, tx: optax.GradientTransformation) -> Model
     abstract = _abstract(params)
     state = jax.eval_shape(tx.init, abstract)
     residuals = compressor = optimizer = 0
-    for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _OUR_STATES)):
-        if isinstance(node, _OUR_STATES):
-            residuals += tree_bytes(getattr(node, "residuals", ()))
+    for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ExchangeState)):
+        if isinstance(node, ExchangeState):
+            residuals += tree_bytes(node.residuals)
             compressor += tree_bytes(node.compressor_state)
             optimizer += tree_bytes(node.count)
         else:

@@ -1,32 +1,40 @@
-"""Skipping steps with non-finite gradients on every worker at once.
+"""Skipping steps with non-finite gradients on every worker at once, at no memory cost.
 
 Error feedback has a long memory: a NaN or Inf that reaches a residual is sent again and
 again and poisons every later step. :func:`skip_nonfinite` wraps the whole optax chain
-(compression transform and optimizer): if *any* worker's local gradient has a NaN or Inf,
-*every* worker skips the step — updates are zero, and the inner state (residuals,
-optimizer moments, counters) is returned unchanged bit for bit — so workers stay
-consistent and no non-finite value is ever stored. Skips are counted in the state, with
-the index of the first offending leaf, so a training loop can log them or stop.
+(exchange transform and optimizer): if *any* worker's local gradient has a NaN or Inf,
+*every* worker skips the step — no parameter moves, optimizer moments and counters stay
+as they were — so workers stay consistent, and no non-finite value is ever stored.
+Skips are counted in the state, with the index of the first offending leaf.
 
-Unlike ``optax.apply_if_finite``, the decision is taken *before* the exchange, from the
-local gradients of all workers (one scalar ``pmin`` over the axis): after a compressed
-exchange a NaN on one worker may not show in the averaged update at all, yet sit in that
-worker's residual.
+Unlike ``optax.apply_if_finite``, the decision comes from the local gradients of all
+workers (one scalar ``pmin`` over the axis): after a compressed exchange a NaN on one
+worker may not show in the averaged update at all, yet sit in that worker's residual.
 
-Memory. A ``lax.cond`` over the whole update, or a final ``where(ok, new, old)`` over all
-state, makes XLA keep old and new residuals side by side (measured on 12 layers of 4 MiB
-with EF + SGD momentum: +87 MiB and +39 MiB of temporaries). Instead the gradients of a
-skipped step are replaced by ``-0.0`` (so ``G + R == R`` exactly) and a ``skip`` flag is
-passed, as an optax extra argument, to this library's exchange transforms
-(:func:`~resireduce_jax.error_feedback`, :func:`~resireduce_jax.resireduce`,
-:func:`~resireduce_jax.compressed_mean`), which keep their residuals and compressor state
-exactly while still updating them in place: the residual side costs nothing. The rest of
-the state (optimizer moments, counters) goes through ``where(ok, new, old)``; XLA then
-copies moment buffers whose new value also feeds the parameter update (measured: one
-momentum-sized buffer per leaf in the same example, +39 MiB). Pass
-``guard_optimizer_state=False`` to avoid that cost: a skipped step then feeds the
-optimizer a zero gradient (moments decay once, counters advance) while parameters and
-residuals are still untouched.
+Two modes (docs/design.md, "The non-finite guard"):
+
+* **lean** (default). The decision needs every gradient, so gating the gradients with it
+  would keep all of them alive until the backward pass ends, where an unguarded step
+  streams each gradient into the exchange as soon as it exists (measured: +12 to +26 % of
+  the step's compiled peak). Instead each gradient is sanitized locally, element by
+  element (NaN/Inf -> 0), and streams through the exchange as usual; the one late scalar
+  decision only gates what is updated in place anyway: the parameter update (zero), the
+  moments of skip-aware optimizers (kept exactly, see :func:`register_skip_aware`),
+  counters, compressor state, and the residual stores' writes — shared and intra-layer
+  stores keep their residual exactly, a leaf's own residual takes back what the exchange
+  took out of it and holds ``G~ = sanitize(G) + R``: the step's finite local gradient is
+  deferred to later steps, like anything error feedback has not sent yet, never applied.
+* **strict** (``strict=True``). The decision gates the gradients before the exchange
+  (``-0.0`` on a skipped step, so ``G + R == R`` exactly): every state — residuals
+  included — is bit-identical to a run without that step. Costs the gradients' lifetime
+  described above.
+
+Optimizers whose state is not skip-aware (optax's own) are guarded by a final
+``where(ok, new, old)`` over their state (``guard_optimizer_state=True``): XLA then keeps
+old and new moments side by side (measured: one moment-sized buffer per leaf). Use this
+library's skip-aware optimizers (:func:`resireduce_jax.optimizers.sgd`, ``adamw_r``,
+``lion_r``, ``adan_r``) to avoid that, or ``guard_optimizer_state=False`` to let a
+skipped step feed the optimizer a zero gradient (moments decay once, counters advance).
 """
 
 from __future__ import annotations
@@ -39,15 +47,29 @@ import optax
 from jax import lax
 
 from resireduce_jax.compressors.base import check_axis_bound
-from resireduce_jax.residual_reduction import ResiReduceState
-from resireduce_jax.transforms import CompressedMeanState, ErrorFeedbackState
+from resireduce_jax.exchange import ExchangeState
+from resireduce_jax.optimizers import AdamWRState, AdanRState, LionRState, SGDState
 
 PyTree = Any
 
-__all__ = ["NO_BAD_LEAF", "SkipNonFiniteState", "skip_nonfinite"]
+__all__ = ["NO_BAD_LEAF", "SkipNonFiniteState", "register_skip_aware", "skip_nonfinite"]
 
 NO_BAD_LEAF = int(jnp.iinfo(jnp.int32).max)
-_SELF_GUARDED = (ErrorFeedbackState, ResiReduceState, CompressedMeanState)
+
+_SKIP_AWARE: set[type] = {ExchangeState, AdamWRState, AdanRState, LionRState, SGDState}
+
+
+def register_skip_aware(state_type: type) -> type:
+    """Declares that transforms with state ``state_type`` handle the ``skip`` extra argument.
+
+    Such a transform's ``update(updates, state, params, *, skip=None)`` must return, where
+    ``skip`` is true, a state equal bit for bit to the old one (or, for exchange states,
+    the documented one) while still updating it in place; :func:`skip_nonfinite` then
+    leaves its state alone instead of selecting between old and new. Usable as a class
+    decorator.
+    """
+    _SKIP_AWARE.add(state_type)
+    return state_type
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -67,30 +89,26 @@ class SkipNonFiniteState(NamedTuple):
     bad_leaf: jax.Array
 
 
-def _first_nonfinite_leaf(tree: PyTree) -> jax.Array:
-    first = jnp.asarray(NO_BAD_LEAF, jnp.int32)
-    for i, leaf in reversed(list(enumerate(jax.tree.leaves(tree)))):
-        bad = jnp.logical_not(jnp.all(jnp.isfinite(leaf)))
-        first = jnp.where(bad, jnp.int32(i), first)
-    return first
+def _is_skip_aware(x: Any) -> bool:
+    return type(x) in _SKIP_AWARE
 
 
 def _keep_unless(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    """``where(ok, new, old)`` leaf by leaf, except inside self-guarded exchange states."""
-    is_node = lambda x: isinstance(x, _SELF_GUARDED)
+    """``where(ok, new, old)`` leaf by leaf, except inside skip-aware states."""
 
     def select(n, o):
-        if isinstance(n, _SELF_GUARDED):
+        if _is_skip_aware(n):
             return n
         return jnp.where(ok, n, o)
 
-    return jax.tree.map(select, new, old, is_leaf=is_node)
+    return jax.tree.map(select, new, old, is_leaf=_is_skip_aware)
 
 
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     axis_name: str = "data",
     *,
+    strict: bool = False,
     guard_optimizer_state: bool = True,
 ) -> optax.GradientTransformation:
     """Wraps ``inner`` so that a step with NaN/Inf gradients on any worker is skipped by all.
@@ -99,13 +117,17 @@ def skip_nonfinite(
       inner: the transform to protect, typically the whole chain
         ``optax.chain(resireduce(...), optimizer)``.
       axis_name: the data-parallel axis the workers are mapped over.
-      guard_optimizer_state: keep non-exchange state (optimizer moments) unchanged on a
-        skipped step too; costs temporary memory (see the module docstring).
+      strict: decide before the exchange, so that a skipped step leaves every state
+        (residuals included) bit-identical; costs the lifetime of all gradients at once.
+        Default: the lean mode (see the module docstring).
+      guard_optimizer_state: keep the state of transforms that are not skip-aware
+        (optax's optimizers) unchanged on a skipped step too, by a final select that
+        costs temporary memory; skip-aware states need no select.
 
     Returns:
       A transform whose state is a :class:`SkipNonFiniteState`. On a skipped step the
-      updates are zeros and ``inner``'s state is unchanged bit for bit (with
-      ``guard_optimizer_state=False``: the exchange state is).
+      updates are zeros, the optimizer state and counters are unchanged bit for bit, and
+      the exchange state is as documented for the mode.
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -119,10 +141,21 @@ def skip_nonfinite(
 
     def update_fn(updates, state, params=None):
         check_axis_bound(axis_name)
-        bad_leaf = lax.pmin(_first_nonfinite_leaf(updates), axis_name)
+        leaves, treedef = jax.tree.flatten(updates)
+        bad = [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves]
+        first_bad = jnp.asarray(NO_BAD_LEAF, jnp.int32)
+        for i in reversed(range(len(leaves))):
+            first_bad = jnp.where(bad[i], jnp.int32(i), first_bad)
+        bad_leaf = lax.pmin(first_bad, axis_name)
         ok = bad_leaf == NO_BAD_LEAF
         skip = jnp.logical_not(ok)
-        safe = jax.tree.map(lambda g: jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)), updates)
+        if strict:  # one decision before anything is sent: G + R == R on a skipped step
+            safe = [jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
+        else:
+            # Local and elementwise: each gradient streams into the exchange at once; the
+            # select fuses into the exchange's compensation pass.
+            safe = [jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)) for g in leaves]
+        safe = treedef.unflatten(safe)
         new_updates, new_inner = inner.update(safe, state.inner, params, skip=skip)
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), new_updates)
         if guard_optimizer_state:

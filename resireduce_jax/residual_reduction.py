@@ -3,9 +3,10 @@
 Implements Zheng et al., "Saving Memory via Residual Reduction for DNN Training with
 Compressed Communication": error feedback (§2.2) whose residuals are shared across
 reusable groups of similar adjacent layers (§4.2, ResiReduce-a / -w) and compressed inside
-large single layers (§4.3, ResiReduce-d / -2d). Storage lives in
-:mod:`resireduce_jax.residual_stores`, grouping in :mod:`resireduce_jax.grouping`; this
-module wires them to a compressor and the exchange.
+large single layers (§4.3, ResiReduce-d / -2d). This module decides, from shapes, which
+store keeps each leaf's residual (:func:`plan_stores`); storage lives in
+:mod:`resireduce_jax.residual_stores`, grouping in :mod:`resireduce_jax.grouping`, and the
+exchange itself (one algorithm for all modes) in :mod:`resireduce_jax.exchange`.
 
 One step, per worker, for a group with members ``1..a`` and stored residual ``R``::
 
@@ -14,54 +15,31 @@ One step, per worker, for a group with members ``1..a`` and stored residual ``R`
         P_i  = Q(G~_i);  out_i = mean_w D(P_i)
         r_i  = G~_i - D(P_i)            # member's fresh residual
     R <- sum_i w_i r_i / sum_i w_i      # -w (w_i from r_i or G~_i), or mean (-a)
-
-Memory at the compiled peak (DESIGN.md §4, §6): if all ``r_i`` were computed first and
-summed afterwards, XLA would keep every member's transient residual alive at once and give
-back at the peak most of what the smaller state saved. The members are therefore chained:
-member ``i+1`` is compensated with ``R`` only after member ``i`` has been added to the
-running sum, through an explicit data dependency (``_after``), so at most one member's
-residual is alive at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
 
 from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
-from resireduce_jax.compressors.base import Compressor, check_axis_bound
-from resireduce_jax.transforms import (
-    DEFAULT_MIN_SIZE,
-    _check_compressor,
-    _check_min_size,
-    _dense_mean,
-    _init_compressor_state,
-    _next_count,
-    _reduce,
-    leaf_key,
-)
-from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
+from resireduce_jax.compressors.base import Compressor
+from resireduce_jax.exchange import DEFAULT_MIN_SIZE, ExchangeTransformation, exchange
+from resireduce_jax.transforms import check_compressor, check_min_size
+from resireduce_jax.tree_paths import leaf_paths
 
 PyTree = Any
 IntraLayers = str | Callable[[str, tuple[int, ...]], bool]
 
-__all__ = [
-    "INTRA_AUTO_SHARE",
-    "ResiReduceState",
-    "average_over_workers",
-    "plan_stores",
-    "resireduce",
-]
+__all__ = ["INTRA_AUTO_SHARE", "plan_stores", "resireduce"]
 
 INTER_MODES = ("none", "average", "weighted")
 INTRA_MODES = ("none", "rows", "2d")
@@ -70,26 +48,6 @@ WEIGHT_SOURCES = ("residual", "compensated")
 INTRA_AUTO_SHARE = 0.10
 """``intra_layers="auto"`` picks singleton leaves holding at least this share of all
 compressed elements (VGG-19's first classifier layer, GPT-2's and BERT's word embeddings)."""
-
-# Distinct streams for the keys of residual selection (vs. the compressor's keys).
-_SELECTION_STREAM = 0x5E1EC7
-
-
-class ResiReduceState(NamedTuple):
-    """State of :func:`resireduce`.
-
-    Attributes:
-      count: number of updates so far (int32).
-      residuals: one entry per group label: a dense array (own or shared residual),
-        :class:`~resireduce_jax.residual_stores.RowsResidual` or
-        :class:`~resireduce_jax.residual_stores.BlockResidual`. Per worker.
-      compressor_state: per-leaf compressor state (params structure; ``MaskedNode`` for
-        dense leaves).
-    """
-
-    count: jax.Array
-    residuals: dict[str, Any]
-    compressor_state: PyTree
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -217,19 +175,6 @@ def _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_s
             )
 
 
-def _after(x: jax.Array, dependency: jax.Array) -> jax.Array:
-    """``x``, but only once ``dependency`` is computed (a real data dependency).
-
-    ``optimization_barrier`` returns its operands unchanged; XLA may not move uses of its
-    outputs before the barrier. Chaining member ``i+1``'s gradient through a barrier with
-    the running group sum keeps members from being processed in parallel, which would keep
-    all their transient residuals alive at once. The values are untouched, so NaN/Inf in
-    one member cannot leak into another through this dependency.
-    """
-    x, _ = lax.optimization_barrier((x, dependency))
-    return x
-
-
 def resireduce(
     compressor: Compressor,
     axis_name: str = "data",
@@ -246,7 +191,7 @@ def resireduce(
     residual_dtype: Any = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
-) -> optax.GradientTransformation:
+) -> ExchangeTransformation:
     """Compressed gradient averaging with error feedback and reduced residuals.
 
     Args:
@@ -278,11 +223,15 @@ def resireduce(
       seed: seed of the per-step keys (compressor randomness, softmax sampling).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`ResiReduceState`;
-      ``update`` takes an optional ``skip`` like :func:`~resireduce_jax.error_feedback`.
+      An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
+      :class:`~resireduce_jax.exchange.ExchangeState` with one residual per store (group
+      label); ``tx.plan(params)`` tells which store keeps each leaf. ``update`` takes an
+      optional ``skip`` (see :mod:`resireduce_jax.exchange` and
+      :func:`~resireduce_jax.skip_nonfinite`): shared and intra-layer stores keep their
+      residual exactly on a skipped step.
     """
-    compressor = _check_compressor(compressor)
-    min_size = _check_min_size(min_size)
+    compressor = check_compressor(compressor)
+    min_size = check_min_size(min_size)
     _check_choice("inter", inter, INTER_MODES)
     _check_choice("intra", intra, INTRA_MODES)
     _check_choice("selection", selection, SELECTIONS)
@@ -310,131 +259,11 @@ def resireduce(
         residual_dtype=residual_dtype,
     )
 
-    def init_fn(params):
-        validate_float_leaves(params, "resireduce")
-        plans = plan_stores(params, **options)
-        return ResiReduceState(
-            count=jnp.zeros([], jnp.int32),
-            residuals={p.group.label: stores.init_store(p) for p in plans},
-            compressor_state=_init_compressor_state(compressor, params, min_size),
-        )
-
-    def update_fn(updates, state, params=None, *, skip=None, **extra_args):
-        del params, extra_args
-        check_axis_bound(axis_name)
-        plans = plan_stores(updates, **options)
-        leaves, treedef = jax.tree.flatten(updates)
-        cstates = treedef.flatten_up_to(state.compressor_state)
-        out: list[Any] = [None] * len(leaves)
-        new_cstates = list(cstates)
-        new_residuals = {}
-
-        def exchange(i, compensated):
-            key = leaf_key(seed, state.count, i, compressor, axis_name)
-            reduced = _reduce(compressor, compensated, cstates[i], key, axis_name, skip)
-            out[i] = reduced.mean
-            new_cstates[i] = reduced.state
-            return reduced.residual
-
-        previous_group = None
-        for plan in plans:
-            stored = state.residuals[plan.group.label]
-            if plan.shared:
-                residual = _update_shared(plan, stored, leaves, exchange, previous_group)
-                if skip is not None:  # the members' residuals all equal R, but their mean
-                    residual = jnp.where(skip, stored, residual)  # may round differently
-                new_residuals[plan.group.label] = previous_group = residual
-                continue
-            (i,) = plan.group.members
-            r = exchange(i, stores.compensate(plan, stored, leaves[i]))
-            if plan.kind == "leaf":  # a skipped step returns r = G~ = R exactly
-                new_residuals[plan.group.label] = r.astype(plan.dtype)
-            else:
-                key = _selection_key(seed, state.count, i, axis_name, plan)
-                kept = stores.compress_residual(plan, r, key)
-                if skip is not None:  # re-selecting from R could pick other rows on ties
-                    kept = jax.tree.map(lambda new, old: jnp.where(skip, old, new), kept, stored)
-                new_residuals[plan.group.label] = kept
-
-        for i, g in enumerate(leaves):
-            if out[i] is None:  # not compressed: dense mean, no residual
-                out[i] = _dense_mean(g, axis_name, skip)
-        new_state = ResiReduceState(
-            count=_next_count(state.count, skip),
-            residuals=new_residuals,
-            compressor_state=treedef.unflatten(new_cstates),
-        )
-        return treedef.unflatten(out), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _selection_key(seed, count, leaf_index, axis_name, plan):
-    if plan.selection != "softmax_sample":
-        return None
-    key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _SELECTION_STREAM), count)
-    key = jax.random.fold_in(key, leaf_index)
-    return jax.random.fold_in(key, lax.axis_index(axis_name))  # residuals differ per worker
-
-
-def _update_shared(plan, stored, leaves, exchange, previous_group):
-    """One step of a shared group (§4.2): members in order, running weighted sum.
-
-    Member ``i+1`` starts after member ``i`` was added to the sum, and the group's first
-    member after the previous shared group finished, so one running sum is alive at a time.
-    """
-    acc = None
-    for i in plan.group.members:
-        dependency = previous_group if acc is None else acc.total
-        g = leaves[i] if dependency is None else _after(leaves[i], dependency)
-        compensated = stores.compensate(plan, stored, g)
-        if plan.kind == "weighted" and plan.weight_source == "compensated":
-            weight = stores.residual_weight(compensated, plan.phi)
-            # Read G~ for the weight before the exchange updates it in place.
-            compensated = _after(compensated, weight)
-        r = exchange(i, compensated)
-        if plan.kind == "average":
-            weight = jnp.ones([], jnp.float32)
-        elif plan.weight_source == "residual":
-            weight = stores.residual_weight(r, plan.phi)
-        acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
-    return acc.finish(plan)
-
-
-def average_over_workers(
-    residuals: dict[str, Any], plans: list[stores.StorePlan], num_workers: int
-) -> dict[str, Any]:
-    """Per-worker residual stores of ``W_old`` workers -> ``num_workers`` equal copies.
-
-    For restarting on another number of workers: every new worker gets the old workers'
-    mean residual, so the update still owed, ``mean_w R_w``, is preserved. Dense stores are
-    averaged exactly; intra-layer stores (rows / 2d) are densified per old worker,
-    averaged, and re-selected (top rows/columns by L1 norm of the mean), losing what the
-    mean keeps outside the new selection, as any step of ResiReduce-d/-2d does.
-
-    Args:
-      residuals: ``ResiReduceState.residuals`` with a leading old-worker axis on every array.
-      plans: :func:`plan_stores` of the same params and options.
-      num_workers: the new number of workers.
-
-    Returns:
-      The residuals with a leading axis of ``num_workers``.
-    """
-    by_label = {p.group.label: p for p in plans}
-    out = {}
-    for label, stored in residuals.items():
-        plan = by_label[label]
-        old_workers = jax.tree.leaves(stored)[0].shape[0]
-        dense = [
-            stores.densify(plan, jax.tree.map(lambda x, w=w: x[w], stored))
-            for w in range(old_workers)
-        ]
-        mean = sum(d.astype(jnp.float32) for d in dense) / old_workers
-        if plan.kind in ("rows", "2d"):
-            kept = stores.compress_residual(dataclasses.replace(plan, selection="top"), mean, None)
-        else:
-            kept = mean.astype(plan.dtype)
-        out[label] = jax.tree.map(
-            lambda x: np.broadcast_to(np.asarray(x), (num_workers, *x.shape)).copy(), kept
-        )
-    return out
+    return exchange(
+        compressor,
+        axis_name,
+        planner=functools.partial(plan_stores, **options),
+        min_size=min_size,
+        seed=seed,
+        name="resireduce",
+    )

@@ -55,7 +55,7 @@ __all__ = [
     "stored_bytes",
 ]
 
-Kind = Literal["leaf", "average", "weighted", "rows", "2d"]
+Kind = Literal["none", "leaf", "average", "weighted", "rows", "2d"]
 Selection = Literal["top", "softmax_sample"]
 
 
@@ -104,7 +104,8 @@ class StorePlan:
 
     Attributes:
       group: the group (members, shape, dtype).
-      kind: ``"leaf"`` (its own dense residual: plain error feedback), ``"average"`` /
+      kind: ``"none"`` (compressed, no residual kept: no error feedback), ``"leaf"``
+        (its own dense residual: plain error feedback), ``"average"`` /
         ``"weighted"`` (one shared residual), ``"rows"`` / ``"2d"`` (intra-layer).
       dtype: storage dtype of the residual values.
       view: 2-D view for intra-layer kinds.

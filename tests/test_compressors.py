@@ -58,7 +58,7 @@ def mesh():
 
 
 def worker_key(comp: C.Compressor, w) -> jax.Array | None:
-    """The key worker ``w`` uses (the convention of resireduce_jax.transforms.leaf_key)."""
+    """The key worker ``w`` uses (the convention of resireduce_jax.exchange.leaf_key)."""
     if comp.randomness == "none":
         return None
     key = jax.random.PRNGKey(SEED)

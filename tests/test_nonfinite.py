@@ -1,4 +1,5 @@
-"""Non-finite gradients on one worker: every worker skips the step, nothing is stored."""
+"""Non-finite gradients on one worker: every worker skips the step, nothing non-finite is
+stored, and the state follows each mode's documented semantics."""
 
 from __future__ import annotations
 
@@ -48,61 +49,156 @@ EXCHANGES = {
     "powersgd-ef": lambda: rr.error_feedback(rr.compressors.powersgd(rank=2), min_size=MIN_SIZE),
     "randomk-none": lambda: rr.compressed_mean(rr.compressors.randomk(0.05), min_size=MIN_SIZE),
 }
+OPTIMIZERS = {
+    "optax-sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "sgd": lambda: rr.optimizers.sgd(0.1, momentum=0.9),
+    "adamw_r": lambda: rr.adamw_r(1e-2, weight_decay=0.1),
+}
 
 
-def _tx(exchange, **kwargs):
-    chain = optax.chain(EXCHANGES[exchange](), optax.sgd(0.1, momentum=0.9))
+def _tx(exchange, optimizer="sgd", **kwargs):
+    chain = optax.chain(EXCHANGES[exchange](), OPTIMIZERS[optimizer]())
     return rr.skip_nonfinite(chain, **kwargs)
 
 
-@pytest.mark.parametrize("exchange", list(EXCHANGES))
-@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
-def test_poisoned_step_is_skipped_as_if_it_never_happened(exchange, bad_value):
-    clean = _grads(3)
-    poisoned = jax.tree.map(np.copy, clean[1])
-    poisoned["block_1"]["kernel"][5, 3, 7] = bad_value  # worker 5 only
-    with_bad = [clean[0], poisoned, clean[2]]
-    without = [clean[0], clean[2]]
+def _poisoned(clean, bad_value, where=("block_1", 5, (3, 7))):
+    poisoned = jax.tree.map(np.copy, clean)
+    layer, worker, index = where
+    poisoned[layer]["kernel"][(worker, *index)] = bad_value
+    return poisoned
 
-    out_bad, state_bad = th.run_shard_map(_tx(exchange), _params(), with_bad)
-    out_ref, state_ref = th.run_shard_map(_tx(exchange), _params(), without)
 
-    for leaf in jax.tree.leaves(out_bad[1]):  # the skipped step moves nothing, anywhere
+def _assert_skipped(state, out_skipped, bad_path="block_1/kernel"):
+    for leaf in jax.tree.leaves(out_skipped):  # the skipped step moves nothing, anywhere
         np.testing.assert_array_equal(leaf, 0.0)
-    chex.assert_trees_all_equal(out_bad[2], out_ref[1])
-    # Residuals, momentum and counters continue bit for bit as if step 1 never happened.
-    chex.assert_trees_all_equal(state_bad.inner, state_ref.inner)
-    np.testing.assert_array_equal(state_bad.skipped, 1)
-    assert not np.asarray(state_bad.last_skipped).any()
-    block_1 = rr.tree_paths.leaf_paths(_params()).index("block_1/kernel")
-    np.testing.assert_array_equal(state_bad.bad_leaf, block_1)
-    for leaf in jax.tree.leaves(state_bad):
+    np.testing.assert_array_equal(state.skipped, 1)
+    np.testing.assert_array_equal(
+        state.bad_leaf, rr.tree_paths.leaf_paths(_params()).index(bad_path)
+    )
+    for leaf in jax.tree.leaves(state):
         if np.issubdtype(np.asarray(leaf).dtype, np.floating):
             assert np.isfinite(leaf).all()
 
 
-def test_without_optimizer_guard_residuals_are_still_exact():
-    clean = _grads(2)
-    poisoned = jax.tree.map(np.copy, clean[1])
-    poisoned["big"]["kernel"][0, 0, 0] = np.nan
-    _, state_bad = th.run_shard_map(
-        _tx("ef", guard_optimizer_state=False), _params(), [clean[0], poisoned]
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_strict_mode_skips_as_if_the_step_never_happened(exchange, bad_value):
+    clean = _grads(3)
+    with_bad = [clean[0], _poisoned(clean[1], bad_value), clean[2]]
+    out_bad, state_bad = th.run_shard_map(_tx(exchange, strict=True), _params(), with_bad)
+    out_ref, state_ref = th.run_shard_map(
+        _tx(exchange, strict=True), _params(), [clean[0], clean[2]]
     )
-    _, state_ref = th.run_shard_map(_tx("ef", guard_optimizer_state=False), _params(), clean[:1])
-    ef_bad, ef_ref = state_bad.inner[0], state_ref.inner[0]
-    chex.assert_trees_all_equal(ef_bad, ef_ref)
+    _assert_skipped(state_bad, out_bad[1])
+    chex.assert_trees_all_equal(out_bad[2], out_ref[1])
+    # Residuals, momentum and counters continue bit for bit as if step 1 never happened.
+    chex.assert_trees_all_equal(state_bad.inner, state_ref.inner)
+    assert not np.asarray(state_bad.last_skipped).any()
+
+
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad_value", [np.nan, -np.inf])
+def test_lean_mode_keeps_moments_and_defers_the_gradient_into_own_residuals(
+    exchange, optimizer, bad_value
+):
+    clean = _grads(2)
+    poisoned = _poisoned(clean[1], bad_value)
+    tx = _tx(exchange, optimizer)
+    _, before = th.run_shard_map(tx, _params(), [clean[0]])
+    out, after = th.run_shard_map(tx, _params(), [clean[0], poisoned])
+    _assert_skipped(after, out[1])
+    exchange_before, optimizer_before = before.inner
+    exchange_after, optimizer_after = after.inner
+    # Nothing is applied: moments and every counter are unchanged bit for bit.
+    chex.assert_trees_all_equal(optimizer_after, optimizer_before)
+    np.testing.assert_array_equal(exchange_after.count, exchange_before.count)
+    chex.assert_trees_all_equal(exchange_after.compressor_state, exchange_before.compressor_state)
+    # Residuals: a leaf's own residual takes the sanitized local gradient (nothing was sent,
+    # nothing taken out); shared and intra-layer stores are unchanged.
+    plan = EXCHANGES[exchange]().plan(_params())
+    flat = dict(zip(plan.paths, jax.tree.leaves(poisoned), strict=True))
+    for store in plan.kept:
+        label = store.group.label
+        if store.kind == "leaf":
+            g = flat[store.group.paths[0]]
+            expected = np.where(np.isfinite(g), g, np.float32(0)) + exchange_before.residuals[label]
+            np.testing.assert_array_equal(exchange_after.residuals[label], expected)
+        else:
+            chex.assert_trees_all_equal(
+                exchange_after.residuals[label], exchange_before.residuals[label]
+            )
+
+
+def test_guard_optimizer_state_false_lets_momentum_see_a_zero_gradient():
+    clean = _grads(2)
+    poisoned = _poisoned(clean[1], np.nan, where=("big", 0, (0, 0)))
+    tx = _tx("ef", "optax-sgd", strict=True, guard_optimizer_state=False)
+    _, state_bad = th.run_shard_map(tx, _params(), [clean[0], poisoned])
+    _, state_ref = th.run_shard_map(tx, _params(), clean[:1])
+    chex.assert_trees_all_equal(state_bad.inner[0], state_ref.inner[0])
     momentum = state_bad.inner[1][0].trace["big"]["kernel"]
     np.testing.assert_allclose(momentum, 0.9 * state_ref.inner[1][0].trace["big"]["kernel"])
 
 
-def test_all_finite_steps_are_unchanged_by_the_wrapper():
+@pytest.mark.parametrize("strict", [False, True])
+def test_all_finite_steps_are_unchanged_by_the_wrapper(strict):
     grads = _grads(3)
     plain = optax.chain(EXCHANGES["w+2d"](), optax.sgd(0.1, momentum=0.9))
     out_plain, state_plain = th.run_shard_map(plain, _params(), grads)
-    out_guarded, state_guarded = th.run_shard_map(_tx("w+2d"), _params(), grads)
+    out_guarded, state_guarded = th.run_shard_map(
+        _tx("w+2d", "optax-sgd", strict=strict), _params(), grads
+    )
     # The exchange is bit-identical. The optimizer's multiply-adds sit in other fusions once
     # the selection is added, and XLA:CPU may contract them differently: 1 ulp at most.
     chex.assert_trees_all_equal(state_plain[0], state_guarded.inner[0])
     chex.assert_trees_all_close(out_plain, out_guarded, rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(state_plain[1], state_guarded.inner[1], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(state_guarded.skipped, 0)
+
+
+SKIP_AWARE = {
+    "sgd": (lambda: rr.optimizers.sgd(0.05, momentum=0.9), lambda: optax.sgd(0.05, momentum=0.9)),
+    "sgd-nesterov": (
+        lambda: rr.optimizers.sgd(0.05, momentum=0.9, nesterov=True),
+        lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
+    ),
+    "adamw_r": (
+        lambda: rr.adamw_r(1e-2, weight_decay=0.1),
+        lambda: optax.adamw(1e-2, weight_decay=0.1),
+    ),
+    "lion_r": (lambda: rr.lion_r(1e-3), None),
+    "adan_r": (lambda: rr.adan_r(1e-2), None),
+}
+
+
+@pytest.mark.parametrize("name", list(SKIP_AWARE))
+def test_skip_aware_optimizers_skip_exactly_in_place(name):
+    ours, reference = SKIP_AWARE[name]
+    params = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
+    rng = np.random.default_rng(1)
+    grads = [{"w": rng.standard_normal((3, 4)).astype(np.float32)} for _ in range(4)]
+    tx = ours()
+    update = jax.jit(lambda g, s, p, skip: tx.update(g, s, p, skip=skip))
+
+    def run(steps, skipped=()):
+        state, p, outs = tx.init(params), params, []
+        for k, g in enumerate(steps):
+            u, state = update(g, state, p, np.bool_(k in skipped))
+            p = optax.apply_updates(p, u)
+            outs.append(u)
+        return outs, state, p
+
+    outs, state, p = run(grads, skipped=(2,))
+    _, state_ref, p_ref = run([g for k, g in enumerate(grads) if k != 2])
+    np.testing.assert_array_equal(outs[2]["w"], 0.0)
+    chex.assert_trees_all_equal(state, state_ref)
+    chex.assert_trees_all_equal(p, p_ref)
+    if reference is not None:  # and without a skip, exactly optax's optimizer
+        ref = reference()
+        ref_state, ref_p = ref.init(params), params
+        for g in grads:
+            u, ref_state = jax.jit(ref.update)(g, ref_state, ref_p)
+            ref_p = optax.apply_updates(ref_p, u)
+        _, _, p_all = run(grads)
+        chex.assert_trees_all_equal(p_all, ref_p)

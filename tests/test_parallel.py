@@ -66,7 +66,7 @@ def test_twenty_steps_keep_params_identical_on_every_worker_while_residuals_diff
         assert len(copies) == W
         for c in copies[1:]:
             np.testing.assert_array_equal(c, copies[0])
-    residual = opt_state[0].residuals["hidden"]["kernel"]
+    residual = opt_state[0].residuals["hidden/kernel"]
     assert residual.shape == (W, 32, 64)
     assert residual.sharding.spec[0] == "data"
     per_worker = np.asarray(residual)

@@ -152,8 +152,8 @@ def test_mean_redistribution_keeps_the_pending_update(tmp_path):
     old = restore(small_digits())
     restored = restore(small_digits(num_workers=2, batch_size_per_worker=64))
     # The shared group residual (dense) is averaged exactly.
-    (state_old,) = [x for x in _nodes(old) if isinstance(x, rr.ResiReduceState)]
-    (state_new,) = [x for x in _nodes(restored) if isinstance(x, rr.ResiReduceState)]
+    (state_old,) = [x for x in _nodes(old) if isinstance(x, rr.ExchangeState)]
+    (state_new,) = [x for x in _nodes(restored) if isinstance(x, rr.ExchangeState)]
     shared = "hidden_*/kernel[256x256]#0"
     for w in range(2):
         np.testing.assert_allclose(
@@ -184,7 +184,7 @@ def test_mean_redistribution_keeps_the_pending_update(tmp_path):
 
 
 def _nodes(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, rr.ResiReduceState))
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, rr.ExchangeState))
 
 
 def test_corrupt_checkpoint_is_reported(tmp_path):

@@ -18,7 +18,6 @@ import os
 import re
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 
@@ -27,23 +26,16 @@ import resireduce_jax as rr
 __all__ = ["Recorder", "per_leaf_residuals"]
 
 
-def per_leaf_residuals(opt_state: Any, params: Any, worker: int = 0) -> dict[str, np.ndarray]:
+def per_leaf_residuals(
+    opt_state: Any, plan: rr.exchange.ExchangePlan, worker: int = 0
+) -> dict[str, np.ndarray]:
     """``{leaf path: residual of one worker}`` for every leaf with its own dense residual.
 
     Only the process that holds ``worker`` returns values (others get an empty dict).
     """
-    found: dict[str, np.ndarray] = {}
-    states = (rr.ErrorFeedbackState, rr.ResiReduceState)
-    paths = set(rr.tree_paths.leaf_paths(params))
-    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states)):
-        if isinstance(node, rr.ErrorFeedbackState):
-            flat = jax.tree_util.tree_flatten_with_path(node.residuals)[0]
-            for path, value in flat:
-                found[rr.tree_paths.path_to_str(path)] = value
-        elif isinstance(node, rr.ResiReduceState):
-            for label, value in node.residuals.items():
-                if label in paths and isinstance(value, jax.Array):  # singleton, kept dense
-                    found[label] = value
+    found: dict[str, Any] = {}
+    for state in rr.exchange.exchange_states(opt_state):
+        found.update(rr.exchange.leaf_residuals(state, plan))
     out = {}
     for name, value in found.items():
         for shard in value.addressable_shards:  # no cross-process traffic
@@ -75,10 +67,10 @@ class Recorder:
             return False
         return step == total or (self.every > 0 and step % self.every == 0)
 
-    def record(self, step: int, opt_state: Any, params: Any) -> None:
+    def record(self, step: int, opt_state: Any, plan: rr.exchange.ExchangePlan) -> None:
         if not self.enabled:
             return
-        residuals = per_leaf_residuals(opt_state, params)
+        residuals = per_leaf_residuals(opt_state, plan)
         chosen = {k: v for k, v in residuals.items() if self.pattern.search(k)}
         if not chosen:
             raise ValueError(

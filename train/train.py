@@ -178,22 +178,23 @@ def initial_state(run: Run) -> InitialState:
     return InitialState(params, opt_state, model_state, step_fn, abstract["params"])
 
 
+def exchange_plan(run: Run, abstract_params) -> rr.exchange.ExchangePlan:
+    """Where the run's exchange transform keeps each leaf's residual."""
+    return factory.build_exchange(run.config.compression, axis_name=AXIS).plan(abstract_params)
+
+
 def worker_redistribution(run: Run, abstract_params):
     """``on_worker_change="average"`` for this run's optimizer state (see checkpointing)."""
-    plans = factory.build_store_plans(run.config.compression, abstract_params)
-    is_rr = lambda x: isinstance(x, rr.ResiReduceState)
+    plan = exchange_plan(run, abstract_params)
+    is_exchange = lambda x: isinstance(x, rr.ExchangeState)
 
     def redistribute(opt_state, specs, num_workers):
         def node(x, spec):
-            if not is_rr(x):
-                return checkpointing.mean_per_worker(x, spec, num_workers)
-            rest = checkpointing.mean_per_worker(
-                x._replace(residuals={}), spec._replace(residuals={}), num_workers
-            )
-            residuals = rr.residual_reduction.average_over_workers(x.residuals, plans, num_workers)
-            return rest._replace(residuals=residuals)
+            if is_exchange(x):
+                return rr.exchange.resize_workers(x, spec, plan, num_workers)
+            return checkpointing.mean_per_worker(x, spec, num_workers)
 
-        return jax.tree.map(node, opt_state, specs, is_leaf=is_rr)
+        return jax.tree.map(node, opt_state, specs, is_leaf=is_exchange)
 
     return redistribute
 
@@ -433,7 +434,7 @@ def train_and_evaluate(
             elif step % MAX_QUEUED_STEPS == 0:
                 jax.block_until_ready(step_metrics)
             if analysis.due(step, run.total_steps):
-                analysis.record(step, opt_state, state.abstract_params)
+                analysis.record(step, opt_state, exchange_plan(run, state.abstract_params))
             if step % config.eval_every == 0 or step == run.total_steps:
                 last_eval = evaluate(run, eval_fn, params, model_state)
                 writer.write(step, "eval", last_eval)

@@ -35,8 +35,10 @@ class NoCompression(Compressor):
     def aggregate(self, payload, like, axis_name):
         return dense_mean(payload, axis_name, like.dtype)
 
-    def residual(self, x, payload):
-        return jnp.zeros_like(x)
+    def residual(self, x, payload, skip=None):
+        if skip is None:
+            return jnp.zeros_like(x)
+        return jnp.where(skip, x, jnp.zeros((), x.dtype))
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return math.prod(shape) * np.dtype(dtype).itemsize

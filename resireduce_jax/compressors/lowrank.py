@@ -148,14 +148,11 @@ class PowerSGD(Compressor):
         p = orthonormalize(p)
         q = dense_mean(m.T @ p, axis_name)
         approx = p @ q.T
-        new_state = self._keep_nonzero_columns(q, state)
-        if skip is not None:  # a skipped step: nothing sent, residual and Q unchanged
-            approx = jnp.where(skip, jnp.zeros((), approx.dtype), approx)
-            new_state = jnp.where(skip, state, new_state)
+        sent = approx if skip is None else jnp.where(skip, jnp.zeros((), approx.dtype), approx)
         return Reduced(
             mean=approx.reshape(x.shape),
-            residual=(m - approx).reshape(x.shape),
-            state=new_state,
+            residual=(m - sent).reshape(x.shape),
+            state=self._keep_nonzero_columns(q, state),
         )
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:

@@ -94,15 +94,14 @@ class _SparseBase(Compressor):
         )
         return dense.reshape(like.shape)
 
-    def residual(self, x, payload: SparsePayload):
+    def residual(self, x, payload: SparsePayload, skip=None):
         # x - D(P) on the support only: sent entries become x_i - v_i (0 when v_i = x_i),
         # the others keep x_i; no dense D(P) is built. Subtracting the values (rather than
         # setting zeros) also orders this in-place update after the values were gathered.
-        return _add_on_support(x, payload.indices, -payload.values.astype(x.dtype))
-
-    def skipped_residual(self, x, payload: SparsePayload, skip):
-        # Adding -0.0 leaves every value (-0.0 included) unchanged.
-        minus = jnp.where(skip, jnp.asarray(-0.0, x.dtype), -payload.values.astype(x.dtype))
+        # A skipped step adds -0.0, which leaves every value (-0.0 included) unchanged.
+        minus = -payload.values.astype(x.dtype)
+        if skip is not None:
+            minus = jnp.where(skip, jnp.asarray(-0.0, x.dtype), minus)
         return _add_on_support(x, payload.indices, minus)
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
@@ -205,15 +204,10 @@ class RandomK(_SparseBase):
             values = values * jnp.asarray(sizes, values.dtype)
         return SparsePayload(values, indices), state
 
-    def residual(self, x, payload: SparsePayload):
+    def residual(self, x, payload: SparsePayload, skip=None):
         if self.scaled:  # D(Q(x)) = size * x_i at the chosen index, not x_i.
-            return Compressor.residual(self, x, payload)
-        return super().residual(x, payload)
-
-    def skipped_residual(self, x, payload: SparsePayload, skip):
-        if self.scaled:
-            return Compressor.skipped_residual(self, x, payload, skip)
-        return super().skipped_residual(x, payload, skip)
+            return Compressor.residual(self, x, payload, skip)
+        return super().residual(x, payload, skip)
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
         # Same indices on every worker: sum the k values densely, scatter once.

@@ -14,6 +14,8 @@ donated incoming gradient itself. Each optimizer's module explains its order.
   arithmetic); removes the momentum copy ``optax.lion`` makes.
 * :func:`adan_r` — the official Adan (sail-sg), not ``optax.adan`` (which differs from
   step 2 on); no copies of the previous gradient.
+* :func:`sgd` — ``optax.sgd`` bit for bit, able to skip a step in place (the CNN configs'
+  optimizer under :func:`resireduce_jax.skip_nonfinite`).
 * :func:`optimizer_step` — jitted, donated optimizer-only step with the argument order
   that lets XLA reuse every buffer.
 * :func:`get_optimizer` — any of these, or an optax optimizer, by name.
@@ -26,6 +28,7 @@ from resireduce_jax.optimizers.adamw_r import AdamWRState, adamw_r
 from resireduce_jax.optimizers.adan_r import AdanRState, adan_r, official_diff_avg
 from resireduce_jax.optimizers.lion_r import LionRState, lion_r
 from resireduce_jax.optimizers.registry import OPTIMIZERS, get_optimizer
+from resireduce_jax.optimizers.sgd import SGDState, sgd
 from resireduce_jax.optimizers.step import OptimizerStep, grads_before_state, optimizer_step
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "AdanRState",
     "LionRState",
     "OptimizerStep",
+    "SGDState",
     "adamw_r",
     "adan_r",
     "get_optimizer",
@@ -41,4 +45,5 @@ __all__ = [
     "lion_r",
     "official_diff_avg",
     "optimizer_step",
+    "sgd",
 ]

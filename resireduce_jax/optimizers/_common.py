@@ -202,3 +202,20 @@ def descend(updates: jax.Array, lr: jax.typing.ArrayLike, *, scheduled: bool) ->
 def scalar_as(value: jax.typing.ArrayLike, like: jax.Array) -> jax.Array:
     """``value`` as a 0-d array of ``like``'s dtype, so low-precision leaves stay low-precision."""
     return jnp.asarray(value).astype(like.dtype)
+
+
+def skip_aware(skip: jax.Array | None, update: jax.Array, *states: tuple[jax.Array, jax.Array]):
+    """``(update, *new states)`` of one leaf, or ``(0, *old states)`` where ``skip`` is true.
+
+    The select sits in the same elementwise pass that writes each new state into the old
+    state's buffer, so a skipped step costs no extra buffer (unlike a select over the
+    whole optimizer state after the update, which keeps old and new moments alive
+    side by side). ``states`` are ``(new, old)`` pairs; without ``skip`` the new ones are
+    returned as they are.
+    """
+    if skip is None:
+        return (update, *(new for new, _ in states))
+    return (
+        jnp.where(skip, jnp.zeros((), update.dtype), update),
+        *(jnp.where(skip, old, new) for new, old in states),
+    )

@@ -45,6 +45,7 @@ from resireduce_jax.optimizers._common import (
     global_norm,
     is_zero_constant,
     scalar_as,
+    skip_aware,
     value_at,
 )
 
@@ -104,7 +105,10 @@ def adamw_r(
         as ``optax.clip_by_global_norm`` does, inside the same per-leaf pass.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is :class:`AdamWRState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`AdamWRState`.
+      ``update`` takes an optional ``skip`` (a traced boolean): where true the update is
+      zero and the state is unchanged bit for bit, computed in the same in-place pass
+      (what :func:`resireduce_jax.skip_nonfinite` relies on).
 
     Raises:
       ValueError: for betas outside [0, 1), negative eps, learning rate or weight decay,
@@ -133,8 +137,14 @@ def adamw_r(
         )
 
     def update_fn(
-        updates: optax.Updates, state: AdamWRState, params: optax.Params | None = None
+        updates: optax.Updates,
+        state: AdamWRState,
+        params: optax.Params | None = None,
+        *,
+        skip: jax.Array | None = None,
+        **extra_args: Any,
     ) -> tuple[optax.Updates, AdamWRState]:
+        del extra_args
         if params is None:
             raise ValueError(
                 "adamw_r needs the parameters for weight decay: call "
@@ -168,11 +178,13 @@ def adamw_r(
             u = descend(u, lr, scheduled=callable(learning_rate))
             if mu_dtype is not None:
                 mu_new = mu_new.astype(mu_dtype)
-            return u, mu_new, nu_new.astype(nu.dtype)
+            nu_new = nu_new.astype(nu.dtype)
+            return skip_aware(skip, u, (mu_new, mu), (nu_new, nu))
 
         out = jax.tree.map(leaf, updates, state.mu, state.nu, params, flags)
         treedef = jax.tree.structure(updates)
         new_updates, mu, nu = jax.tree.transpose(treedef, jax.tree.structure((0, 0, 0)), out)
-        return new_updates, AdamWRState(count=count_inc, mu=mu, nu=nu)
+        count = count_inc if skip is None else jnp.where(skip, state.count, count_inc)
+        return new_updates, AdamWRState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -61,7 +61,7 @@ argument order.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,7 @@ from resireduce_jax.optimizers._common import (
     global_norm,
     is_zero_constant,
     scalar_as,
+    skip_aware,
     value_at,
 )
 
@@ -153,7 +154,9 @@ def adan_r(
         official ``max_grad_norm`` does (``None`` here is the official ``0``).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is :class:`AdanRState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`AdanRState`;
+      ``update`` takes an optional ``skip`` like :func:`~resireduce_jax.adamw_r` (a
+      skipped step's gradient does not become the next step's previous gradient).
 
     Raises:
       ValueError: for betas outside [0, 1), negative eps, learning rate or weight decay,
@@ -185,8 +188,14 @@ def adan_r(
         )
 
     def update_fn(
-        updates: optax.Updates, state: AdanRState, params: optax.Params | None = None
+        updates: optax.Updates,
+        state: AdanRState,
+        params: optax.Params | None = None,
+        *,
+        skip: jax.Array | None = None,
+        **extra_args: Any,
     ) -> tuple[optax.Updates, AdanRState]:
+        del extra_args
         if params is None:
             raise ValueError(
                 "adan_r needs the parameters for its weight decay: call "
@@ -213,6 +222,7 @@ def adan_r(
             def clipped(x, factor):
                 return x if factor is None else x * scalar_as(factor, x)
 
+            m_old, w_old = m, w
             g, prev = clipped(grad, scale), clipped(prev, prev_scale)
             zero = jnp.zeros_like(g)
             diff = jnp.where(first, zero, g - prev)
@@ -238,7 +248,7 @@ def adan_r(
                     u = u / (1 + lr_decay)
             else:
                 u = -delta
-            return u.astype(p.dtype), n_new, m_new, w_new
+            return skip_aware(skip, u.astype(p.dtype), (n_new, n), (m_new, m_old), (w_new, w_old))
 
         out = jax.tree.map(
             leaf,
@@ -253,9 +263,17 @@ def adan_r(
         new_updates, n, m, w = jax.tree.transpose(
             jax.tree.structure(updates), jax.tree.structure((0, 0, 0, 0)), out
         )
+        if skip is None:
+            prev_grad, count = updates, step
+        else:  # a skipped step's gradient must not become the next step's "previous" one
+            prev_grad = jax.tree.map(
+                lambda g, old: jnp.where(skip, old, g), updates, state.prev_grad
+            )
+            count = jnp.where(skip, state.count, step)
+            new_scale = None if new_scale is None else jnp.where(skip, prev_scale, new_scale)
         new_state = AdanRState(
-            count=step,
-            prev_grad=updates,
+            count=count,
+            prev_grad=prev_grad,
             exp_avg_sq=n,
             exp_avg=m,
             diff_carry=w,
@@ -263,4 +281,4 @@ def adan_r(
         )
         return new_updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

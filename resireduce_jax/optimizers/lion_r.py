@@ -43,6 +43,7 @@ from resireduce_jax.optimizers._common import (
     global_norm,
     is_zero_constant,
     scalar_as,
+    skip_aware,
     value_at,
 )
 
@@ -91,7 +92,8 @@ def lion_r(
         as ``optax.clip_by_global_norm`` does, inside the same per-leaf pass.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is :class:`LionRState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LionRState`;
+      ``update`` takes an optional ``skip`` like :func:`~resireduce_jax.adamw_r`.
 
     Raises:
       ValueError: for β1 outside [0, 1), β2 outside (0, 1), a negative learning rate or
@@ -123,8 +125,14 @@ def lion_r(
         )
 
     def update_fn(
-        updates: optax.Updates, state: LionRState, params: optax.Params | None = None
+        updates: optax.Updates,
+        state: LionRState,
+        params: optax.Params | None = None,
+        *,
+        skip: jax.Array | None = None,
+        **extra_args: Any,
     ) -> tuple[optax.Updates, LionRState]:
+        del extra_args
         if params is None:
             raise ValueError(
                 "lion_r needs the parameters for weight decay: call "
@@ -146,12 +154,14 @@ def lion_r(
             u = descend(u, lr, scheduled=callable(learning_rate))
             if mu_dtype is not None:
                 mu_new = mu_new.astype(mu_dtype)
-            return u, mu_new
+            return skip_aware(skip, u, (mu_new, mu))
 
         out = jax.tree.map(leaf, updates, state.mu, params, flags)
         new_updates, mu = jax.tree.transpose(
             jax.tree.structure(updates), jax.tree.structure((0, 0)), out
         )
-        return new_updates, LionRState(count=optax.safe_increment(state.count), mu=mu)
+        count = optax.safe_increment(state.count)
+        count = count if skip is None else jnp.where(skip, state.count, count)
+        return new_updates, LionRState(count=count, mu=mu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,449 @@
+"""The gradient exchange: one optax transform behind every compressed-communication mode.
+
+:func:`~resireduce_jax.compressed_mean`, :func:`~resireduce_jax.error_feedback` and
+:func:`~resireduce_jax.resireduce` are three views of one algorithm (ResiReduce paper §2.2,
+§4): every compressed leaf is *compensated* with the residual its store holds, compressed,
+exchanged over the data axis, and what the payload did not carry is handed back to the
+store. They differ only in how the residuals are stored, which an :class:`ExchangePlan`
+decides from shapes alone:
+
+========================  ==============================================================
+store kind                what it keeps per worker
+========================  ==============================================================
+``"none"``                nothing (``compressed_mean``: no error feedback)
+``"leaf"``                the leaf's own dense residual (``error_feedback``, singletons)
+``"average"``             one residual shared by a group, rebuilt as the members' mean (§4.2)
+``"weighted"``            the same, weighted mean ``sum w_i r_i / sum w_i`` (§4.2)
+``"rows"`` / ``"2d"``     part of a large layer's residual: top rows / rows × columns (§4.3)
+========================  ==============================================================
+
+Leaves with ``ndim <= 1`` or fewer than ``min_size`` elements are in no store: they travel
+dense (``pmean``), as in the reference code.
+
+This module owns the state (:class:`ExchangeState`, one type for all modes), the plan
+(``tx.plan(params)``), the update loop, the handling of a skipped step (the ``skip``
+extra argument that :func:`~resireduce_jax.skip_nonfinite` passes), and every operation
+on per-worker state that a training program needs: finding exchange states inside an
+optax state (:func:`exchange_states`), per-leaf residual views (:func:`leaf_residuals`)
+and resizing to another number of workers (:func:`resize_workers`).
+
+Memory at the compiled peak (docs/design.md, "Residuals at the compiled peak"): members
+of a shared group are processed in layer order with a real data dependency of member
+``i+1``'s compensation on the running sum of member ``i``, so at most one member's
+transient residual is alive at a time; compressors order the residual write after the
+compression read, so per-leaf residuals are updated in their donated buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from resireduce_jax import residual_stores as stores
+from resireduce_jax.compressors.base import Compressor, after, check_axis_bound, dense_mean
+from resireduce_jax.grouping import Group
+from resireduce_jax.tree_paths import is_compressible, leaf_paths, validate_float_leaves
+
+PyTree = Any
+StorePlanner = Callable[[PyTree], Sequence[stores.StorePlan]]
+
+__all__ = [
+    "DEFAULT_MIN_SIZE",
+    "ExchangePlan",
+    "ExchangeState",
+    "ExchangeTransformation",
+    "exchange",
+    "exchange_states",
+    "leaf_key",
+    "leaf_residuals",
+    "map_exchange_states",
+    "resize_workers",
+]
+
+DEFAULT_MIN_SIZE = 10_000
+"""Leaves with fewer elements travel dense with no residual (the reference code's rule)."""
+
+# Distinct stream for the keys of residual row/column sampling (vs. the compressor's keys).
+_SELECTION_STREAM = 0x5E1EC7
+
+
+class ExchangeState(NamedTuple):
+    """State of every exchange transform.
+
+    Attributes:
+      count: number of updates so far (int32); drives the per-step PRNG keys. Not
+        advanced by a skipped step.
+      residuals: ``{store label: stored residual}`` for the stores that keep one: a dense
+        array (``"leaf"``, ``"average"``, ``"weighted"``), a
+        :class:`~resireduce_jax.residual_stores.RowsResidual` or a
+        :class:`~resireduce_jax.residual_stores.BlockResidual`. A ``"leaf"`` store's label
+        is the leaf's path (``"dense_1/kernel"``). Per worker: under ``shard_map`` these
+        carry a leading worker axis sharded on the data axis. Empty for
+        ``compressed_mean``.
+      compressor_state: per-leaf compressor state with the params' structure;
+        ``optax.MaskedNode()`` for leaves that travel dense.
+    """
+
+    count: jax.Array
+    residuals: dict[str, Any]
+    compressor_state: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+    """Where every leaf's residual lives: decided from shapes, before any data is seen.
+
+    Attributes:
+      paths: every leaf's path, in ``jax.tree.leaves`` order.
+      stores: one :class:`~resireduce_jax.residual_stores.StorePlan` per store, in order of
+        their first member; every compressed leaf is a member of exactly one.
+      dense: indices of the leaves that travel dense, with no residual.
+    """
+
+    paths: tuple[str, ...]
+    stores: tuple[stores.StorePlan, ...]
+    dense: tuple[int, ...]
+
+    def store_of(self, path: str) -> stores.StorePlan | None:
+        """The store holding the residual of the leaf at ``path`` (``None``: dense leaf)."""
+        for plan in self.stores:
+            if path in plan.group.paths:
+                return plan
+        return None
+
+    @property
+    def kept(self) -> tuple[stores.StorePlan, ...]:
+        """The stores that keep a residual (all but kind ``"none"``)."""
+        return tuple(p for p in self.stores if p.kind != "none")
+
+    def residual_bytes(self) -> int:
+        """Bytes of one worker's stored residuals (indices of intra-layer stores included)."""
+        return sum(stores.stored_bytes(p) for p in self.kept)
+
+
+class ExchangeTransformation(optax.GradientTransformationExtraArgs):
+    """An ``optax.GradientTransformationExtraArgs`` that also tells its residual plan.
+
+    ``tx.plan(params)`` returns the :class:`ExchangePlan` for ``params`` (or their
+    ``jax.ShapeDtypeStruct``s) without tracing anything.
+    """
+
+    __slots__ = ()
+
+    def plan(self, params: PyTree) -> ExchangePlan:
+        return self.init.__self__.plan(params)  # ``init`` is a bound method of _Exchange
+
+
+def leaf_key(
+    seed: int, count: jax.Array, leaf_index: int, compressor: Compressor, axis_name: str
+) -> jax.Array | None:
+    """The PRNG key of one leaf at one step (``None`` for deterministic compressors).
+
+    ``fold_in(fold_in(PRNGKey(seed), count), leaf_index)`` is the same on every worker;
+    for ``randomness == "per_worker"`` the worker index is folded in as well.
+    """
+    if compressor.randomness == "none":
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), count), leaf_index)
+    if compressor.randomness == "per_worker":
+        key = jax.random.fold_in(key, lax.axis_index(axis_name))
+    return key
+
+
+def _selection_key(seed: int, count, leaf_index: int, axis_name: str, plan: stores.StorePlan):
+    if plan.selection != "softmax_sample":
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _SELECTION_STREAM), count)
+    key = jax.random.fold_in(key, leaf_index)
+    return jax.random.fold_in(key, lax.axis_index(axis_name))  # residuals differ per worker
+
+
+def _where_skip(skip: jax.Array | None, if_skipped: PyTree, otherwise: PyTree) -> PyTree:
+    if skip is None:
+        return otherwise
+    return jax.tree.map(lambda a, b: jnp.where(skip, a, b), if_skipped, otherwise)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """The one exchange algorithm; ``init``/``update`` are the transform's functions."""
+
+    compressor: Compressor
+    axis_name: str
+    planner: StorePlanner
+    min_size: int
+    seed: int
+    name: str
+
+    # ------------------------------------------------------------------------ plan
+
+    def plan(self, params: PyTree) -> ExchangePlan:
+        shapes = tuple(
+            (tuple(np.shape(x)), np.dtype(x.dtype).name) for x in jax.tree.leaves(params)
+        )
+        return self._plan_for(jax.tree.structure(params), shapes)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - keyed by (treedef, shapes): hashable, tiny
+    def _plan_for(self, treedef, shapes) -> ExchangePlan:
+        like = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+        paths = tuple(leaf_paths(like))
+        store_plans = tuple(self.planner(like))
+        members = {i for p in store_plans for i in p.group.members}
+        dense = tuple(i for i in range(len(paths)) if i not in members)
+        return ExchangePlan(paths=paths, stores=store_plans, dense=dense)
+
+    # ------------------------------------------------------------------------ init
+
+    def init(self, params: PyTree) -> ExchangeState:
+        validate_float_leaves(params, self.name)
+        plan = self.plan(params)
+        leaves, treedef = jax.tree.flatten(params)
+        cstates: list[Any] = [optax.MaskedNode()] * len(leaves)
+        for store in plan.stores:
+            for i in store.group.members:
+                like = jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype)
+                self.compressor.validate(plan.paths[i], like)
+                cstates[i] = self.compressor.init(like)
+        return ExchangeState(
+            count=jnp.zeros([], jnp.int32),
+            residuals={p.group.label: stores.init_store(p) for p in plan.kept},
+            compressor_state=treedef.unflatten(cstates),
+        )
+
+    # ---------------------------------------------------------------------- update
+
+    def update(self, updates, state: ExchangeState, params=None, *, skip=None, **extra_args):
+        """One exchange. ``skip``: optional boolean scalar, equal on every worker.
+
+        On a skipped step the output is zero, ``count`` and the compressor state do not
+        change, shared and intra-layer stores keep their residual exactly, and a leaf's
+        own residual becomes the compensated gradient ``G + R`` (nothing was sent, so
+        nothing is taken out of it). :func:`~resireduce_jax.skip_nonfinite` passes
+        ``skip`` together with sanitized (strict mode: ``-0.0``) gradients.
+        """
+        del params, extra_args
+        check_axis_bound(self.axis_name)
+        plan = self.plan(updates)
+        leaves, treedef = jax.tree.flatten(updates)
+        cstates = treedef.flatten_up_to(state.compressor_state)
+        out: list[Any] = [None] * len(leaves)
+        new_cstates = list(cstates)
+        new_residuals: dict[str, Any] = {}
+
+        def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
+            """Exchanges leaf ``i``'s compensated ``x``; returns this worker's residual."""
+            key = leaf_key(self.seed, state.count, i, self.compressor, self.axis_name)
+            reduced = self.compressor.reduce(x, cstates[i], key, self.axis_name, skip=residual_skip)
+            out[i] = _where_skip(skip, jnp.zeros((), reduced.mean.dtype), reduced.mean)
+            new_cstates[i] = _where_skip(skip, cstates[i], reduced.state)
+            return reduced.residual
+
+        previous_shared = None
+        for store in plan.stores:
+            label = store.group.label
+            stored = state.residuals.get(label)
+            if store.kind == "none":
+                (i,) = store.group.members
+                send(i, leaves[i], None)
+            elif store.kind == "leaf":
+                # The skip hook gives back G~ itself on a skipped step, in the same pass.
+                (i,) = store.group.members
+                r = send(i, stores.compensate(store, stored, leaves[i]), skip)
+                new_residuals[label] = r.astype(store.dtype)
+            elif store.shared:
+                residual = self._update_shared(store, stored, leaves, send, previous_shared)
+                new_residuals[label] = previous_shared = _where_skip(skip, stored, residual)
+            else:  # "rows" / "2d"
+                (i,) = store.group.members
+                r = send(i, stores.compensate(store, stored, leaves[i]), None)
+                key = _selection_key(self.seed, state.count, i, self.axis_name, store)
+                kept = stores.compress_residual(store, r, key)
+                new_residuals[label] = _where_skip(skip, stored, kept)
+
+        for i in plan.dense:  # small leaves: plain all-reduce, no residual
+            mean = dense_mean(leaves[i], self.axis_name)
+            out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
+        count = optax.safe_int32_increment(state.count)
+        new_state = ExchangeState(
+            count=_where_skip(skip, state.count, count),
+            residuals=new_residuals,
+            compressor_state=treedef.unflatten(new_cstates),
+        )
+        return treedef.unflatten(out), new_state
+
+    @staticmethod
+    def _update_shared(store, stored, leaves, send, previous_shared):
+        """One step of a shared group (§4.2): members in order, running weighted sum.
+
+        Member ``i+1`` starts after member ``i`` was added to the sum, and the group's
+        first member after the previous shared group finished, so one running sum and one
+        member's transient residual are alive at a time.
+        """
+        acc = None
+        for i in store.group.members:
+            dependency = previous_shared if acc is None else acc.total
+            g = leaves[i] if dependency is None else after(leaves[i], dependency)
+            compensated = stores.compensate(store, stored, g)
+            if store.kind == "weighted" and store.weight_source == "compensated":
+                weight = stores.residual_weight(compensated, store.phi)
+                compensated = after(compensated, weight)  # read G~ before it is updated
+            r = send(i, compensated, None)
+            if store.kind == "average":
+                weight = jnp.ones([], jnp.float32)
+            elif store.weight_source == "residual":
+                weight = stores.residual_weight(r, store.phi)
+            acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
+        return acc.finish(store)
+
+
+def exchange(
+    compressor: Compressor,
+    axis_name: str,
+    *,
+    planner: StorePlanner,
+    min_size: int = DEFAULT_MIN_SIZE,
+    seed: int = 0,
+    name: str = "exchange",
+) -> ExchangeTransformation:
+    """The exchange transform with the residual stores that ``planner`` decides.
+
+    The public factories (:func:`~resireduce_jax.compressed_mean`,
+    :func:`~resireduce_jax.error_feedback`, :func:`~resireduce_jax.resireduce`) call this
+    with their planners; use those unless you write a new way of storing residuals.
+
+    Args:
+      compressor: a compressor from :mod:`resireduce_jax.compressors`.
+      axis_name: the mapped axis of the data-parallel workers.
+      planner: ``params -> [StorePlan, ...]`` covering every compressed leaf once.
+      min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
+      seed: seed of the per-step keys (compressor randomness, residual sampling).
+      name: the public factory's name, for error messages.
+
+    Returns:
+      An :class:`ExchangeTransformation` whose state is an :class:`ExchangeState`.
+    """
+    core = _Exchange(compressor, axis_name, planner, min_size, seed, name)
+    return ExchangeTransformation(core.init, core.update)
+
+
+def singleton_stores(params: PyTree, min_size: int, kind: str) -> list[stores.StorePlan]:
+    """One ``kind`` store (``"none"`` or ``"leaf"``) per compressed leaf, labelled by path."""
+    out = []
+    for i, (path, x) in enumerate(zip(leaf_paths(params), jax.tree.leaves(params), strict=True)):
+        if is_compressible(x, min_size):
+            shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
+            group = Group(label=path, members=(i,), paths=(path,), shape=shape, dtype=dtype)
+            out.append(stores.StorePlan(group=group, kind=kind, dtype=dtype))
+    return out
+
+
+# ------------------------------------------------------------- state surgery (per worker)
+
+
+def _is_exchange_state(x: Any) -> bool:
+    return isinstance(x, ExchangeState)
+
+
+def exchange_states(opt_state: PyTree) -> list[ExchangeState]:
+    """Every :class:`ExchangeState` inside an optax state (chains, wrappers), in order."""
+    return [
+        x for x in jax.tree.leaves(opt_state, is_leaf=_is_exchange_state) if _is_exchange_state(x)
+    ]
+
+
+def map_exchange_states(fn: Callable[..., Any], opt_state: PyTree, *rest: PyTree) -> PyTree:
+    """``opt_state`` with every exchange state ``s`` replaced by ``fn(s, *r)``.
+
+    ``rest`` are trees with ``opt_state``'s structure (e.g. its PartitionSpecs); ``r`` are
+    their nodes at the same place. Everything else is returned unchanged.
+    """
+    return jax.tree.map(
+        lambda x, *r: fn(x, *r) if _is_exchange_state(x) else x,
+        opt_state,
+        *rest,
+        is_leaf=_is_exchange_state,
+    )
+
+
+def leaf_residuals(
+    state: ExchangeState, plan: ExchangePlan, *, dense_only: bool = True
+) -> dict[str, Any]:
+    """``{leaf path: residual}`` for leaves whose residual is their own.
+
+    With ``dense_only`` (default) only ``"leaf"`` stores (the leaf's full residual, as in
+    plain error feedback); otherwise intra-layer stores too, densified with zeros where
+    nothing is kept. Shared group residuals belong to no single leaf and are left out.
+    Arrays keep any leading worker axis they have.
+    """
+    out = {}
+    for store in plan.kept:
+        if store.shared or (dense_only and store.kind != "leaf"):
+            continue
+        value = state.residuals[store.group.label]
+        if store.kind != "leaf":
+            value = jax.vmap(functools.partial(stores.densify, store))(value)
+        out[store.group.paths[0]] = value
+    return out
+
+
+def resize_workers(
+    state: ExchangeState, specs: ExchangeState, plan: ExchangePlan, num_workers: int
+) -> ExchangeState:
+    """An exchange state saved by ``W_old`` workers, as the state of ``num_workers`` workers.
+
+    Per-worker arrays (``specs`` leaf ``!= P()``) have a leading old-worker axis. Each new
+    worker gets the old workers' mean residual, so the update still owed, ``mean_w R_w``,
+    is preserved: dense stores are averaged exactly; intra-layer stores are densified per
+    old worker, averaged and re-selected (top rows/columns of the mean), losing what the
+    mean keeps outside the new selection, as any step of ResiReduce-d/-2d does. Other
+    per-worker floating state (compressor state) is averaged; replicated leaves are kept.
+
+    Args:
+      state: the restored state, as host (numpy) arrays.
+      specs: its PartitionSpecs (:func:`resireduce_jax.parallel.state_partition_specs`).
+      plan: ``tx.plan(params)`` of the exchange transform.
+      num_workers: the new number of workers.
+    """
+
+    def repeat(x):
+        x = np.asarray(x)
+        return np.ascontiguousarray(np.broadcast_to(x, (num_workers, *x.shape)))
+
+    residuals = {}
+    for store in plan.kept:
+        stored = state.residuals[store.group.label]
+        old_workers = jax.tree.leaves(stored)[0].shape[0]
+        dense = [
+            stores.densify(store, jax.tree.map(lambda x, w=w: x[w], stored))
+            for w in range(old_workers)
+        ]
+        mean = sum(d.astype(jnp.float32) for d in dense) / old_workers
+        if store.kind in ("rows", "2d"):
+            top = dataclasses.replace(store, selection="top")
+            kept = stores.compress_residual(top, mean, None)
+        else:
+            kept = mean.astype(store.dtype)
+        residuals[store.group.label] = jax.tree.map(repeat, kept)
+
+    def per_worker_mean(x, spec):
+        if spec == P():
+            return x
+        x = np.asarray(x)
+        if not np.issubdtype(x.dtype, np.floating):
+            raise ValueError(
+                f"A per-worker compressor state leaf of dtype {x.dtype} cannot be averaged "
+                "over workers; restart with the original number of workers."
+            )
+        return repeat(x.astype(np.promote_types(x.dtype, np.float32)).mean(0).astype(x.dtype))
+
+    compressor_state = jax.tree.map(per_worker_mean, state.compressor_state, specs.compressor_state)
+    return state._replace(residuals=residuals, compressor_state=compressor_state)
