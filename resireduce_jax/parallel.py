@@ -3,7 +3,7 @@
 The step computes each worker's **local** gradient and lets the optax chain (whose first
 transform is :func:`~resireduce_jax.compressed_mean`, :func:`~resireduce_jax.error_feedback`
 or :func:`~resireduce_jax.resireduce`) turn it into the global mean. Two layout rules make
-this work (DESIGN.md §2, §6):
+this work (docs/design.md, "One training step" and "Hidden dense all-reduce"):
 
 * **No hidden all-reduce.** Inside ``shard_map`` with ``check_vma=True``, ``jax.grad``
   with respect to replicated (axis-invariant) parameters returns gradients already summed
@@ -17,7 +17,8 @@ this work (DESIGN.md §2, §6):
   a state leaf is per-worker iff its updated value varies over the axis.
 
 On CPU with simulated devices, do not queue dozens of steps without blocking: XLA:CPU's
-collective rendezvous can time out (DESIGN.md §6). Block on a result every few steps.
+collective rendezvous can time out (docs/design.md, "CPU collectives and queued steps").
+Block on a result every few steps.
 """
 
 from __future__ import annotations
