@@ -22,20 +22,15 @@ applies to the word embeddings (30522 x 768), as the reference's ``is_dim_compre
         --config.dataset.vocab_file=$DATA/uncased_L-12_H-768_A-12/vocab.txt
 """
 
+from train.config_lib import consecutive_layer_rules
 from train.config_schema import base_config
 
 NUM_LAYERS = 12
-LAYERS_PER_GROUP = 3
 
 
-def layer_group_rules(num_layers: int, per_group: int = LAYERS_PER_GROUP) -> tuple:
-    """One rule per run of ``per_group`` consecutive encoder layers, labelled by the run."""
-    rules = []
-    for first in range(0, num_layers, per_group):
-        last = min(first + per_group, num_layers) - 1
-        layers = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"encoder/layer_({layers})/(.+)", rf"encoder/layers_{first}-{last}/\2"))
-    return tuple(rules)
+def group_rules(num_layers: int) -> tuple:
+    """One rule per run of three consecutive encoder layers, labelled by the run."""
+    return consecutive_layer_rules(num_layers, prefix="encoder/layer_", label="encoder/layers_")
 
 
 def get_config():
@@ -65,7 +60,7 @@ def get_config():
     c.compression.compressor = "topk"
     c.compression.density = 0.01
     c.compression.grouping = "regex"
-    c.compression.rules = layer_group_rules(NUM_LAYERS)
+    c.compression.rules = group_rules(NUM_LAYERS)
     c.compression.intra_layers = r"^embeddings/word_embeddings/embedding$"
     c.log_every = 100
     c.eval_every = 2000

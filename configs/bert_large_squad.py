@@ -1,16 +1,9 @@
 """ResiReduce paper (§5.2, Table 1): BERT-large on SQuAD v1.1, 8 workers, top-k 0.1 %, w+2d.
 
-Full scale, for a GPU cluster. Data: tfds ``squad/v1.1`` and the ``bert-large-uncased``
-WordPiece vocabulary (set ``dataset.vocab_file``; see ``docs/data.md``), sequences of 384
-tokens with a document stride of 128. Hyperparameters follow the reference code
-(``examples/nlp/bert_large/run_squad_large_resireduce.sh``, NVIDIA's ``run_squad.py``): 8 workers x
-4 sequences, 4 epochs, learning rate 3e-5 with a linear warm-up over the first 10 % of
-the steps, gradient norm clipped to 1.0 (BertAdam's default), weight decay 0.01. Three
-differences: NVIDIA's BertAdam has no bias correction and does not decay biases and
-LayerNorm weights, while this config uses optax's AdamW on all parameters; the reference
-decays the learning rate linearly after the warm-up, this config uses a cosine decay to 0
-(the training program has no linear-decay schedule); and the reference fine-tunes a
-pretrained checkpoint while this program starts from a random initialization.
+Full scale, for a GPU cluster: ``bert_base_squad.py`` (data, hyperparameters of the
+reference code and the differences from it, listed there) with the large model, the
+``bert-large-uncased`` WordPiece vocabulary, the reference's BERT-large density (0.1 %,
+``examples/nlp/bert_large/run_squad_large_resireduce.sh``) and its groups.
 
 Reusable groups (§4.1, reference ``resireducebert.py``): each weight role of three
 consecutive encoder layers (layers 0-2, 3-5, ..., 21-23) shares one residual: 8 groups for
@@ -22,52 +15,17 @@ applies to the word embeddings (30522 x 1024), as the reference's ``is_dim_compr
         --config.dataset.vocab_file=$DATA/uncased_L-24_H-1024_A-16/vocab.txt
 """
 
-from train.config_schema import base_config
+from train.config_lib import sibling_config
+
+base = sibling_config(__file__, "bert_base_squad")
 
 NUM_LAYERS = 24
-LAYERS_PER_GROUP = 3
-
-
-def layer_group_rules(num_layers: int, per_group: int = LAYERS_PER_GROUP) -> tuple:
-    """One rule per run of ``per_group`` consecutive encoder layers, labelled by the run."""
-    rules = []
-    for first in range(0, num_layers, per_group):
-        last = min(first + per_group, num_layers) - 1
-        layers = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"encoder/layer_({layers})/(.+)", rf"encoder/layers_{first}-{last}/\2"))
-    return tuple(rules)
 
 
 def get_config():
-    c = base_config()
+    c = base.get_config()
     c.model.name = "bert_large"
-    c.dataset = {
-        "name": "squad",
-        "vocab_file": "~/data/bert/uncased_L-24_H-1024_A-16/vocab.txt",
-        "context_length": 384,
-        "doc_stride": 128,
-        "max_query_length": 64,
-        "max_answer_length": 30,
-        "lowercase": True,
-    }
-    c.num_workers = 8
-    c.batch_size_per_worker = 4
-    c.num_epochs = 4.0
-    c.optimizer.name = "adamw"
-    c.optimizer.learning_rate = 3e-5
-    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.999, "eps": 1e-6}
-    c.optimizer.weight_decay = 0.01
-    c.optimizer.max_grad_norm = 1.0
-    c.schedule.name = "warmup_cosine"
-    c.schedule.warmup_epochs = 0.4  # 10 % of 4 epochs
-    c.schedule.end_factor = 0.0
-    c.compression.variant = "w+2d"
-    c.compression.compressor = "topk"
+    c.dataset.vocab_file = "~/data/bert/uncased_L-24_H-1024_A-16/vocab.txt"
     c.compression.density = 0.001  # the reference's BERT-large density
-    c.compression.grouping = "regex"
-    c.compression.rules = layer_group_rules(NUM_LAYERS)
-    c.compression.intra_layers = r"^embeddings/word_embeddings/embedding$"
-    c.log_every = 100
-    c.eval_every = 2000
-    c.checkpoint_every = 2000
+    c.compression.rules = base.group_rules(NUM_LAYERS)
     return c

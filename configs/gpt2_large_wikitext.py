@@ -1,15 +1,9 @@
 """ResiReduce paper (§5.3, Fig. 9b): GPT-2 large on WikiText-103, 8 workers, top-k 1 %, w+2d.
 
-Full scale, for a GPU cluster; the recipe of ``gpt2_medium_wikitext.py``. Data: the raw
-WikiText-103 files and GPT-2's byte-level BPE ``tokenizer.json`` (see ``docs/data.md``; set
-the three paths below, e.g. with ``--config.dataset.train_files=...``), windows of 1024
-tokens. Hyperparameters follow the
-reference code (``examples/nlp/gpt2/run_gpt2_resireduce.{py,sh}``, HuggingFace's
-``run_clm_no_trainer``): 8 workers x 2 sequences, 2 epochs, AdamW with learning rate 5e-5,
-betas (0.9, 0.999), eps 1e-8, no weight decay, no warm-up. Two differences: the
-reference decays the learning rate linearly to 0, this config uses a cosine decay to 0
-(the training program has no linear-decay schedule), and the reference fine-tunes the
-pretrained ``gpt2-large`` while this program starts from a random initialization.
+Full scale, for a GPU cluster: ``gpt2_medium_wikitext.py`` (data, hyperparameters of the
+reference code and the differences from it, listed there) with the large model and its
+groups; the reference fine-tunes the pretrained ``gpt2-large`` while this program starts
+from a random initialization.
 
 Reusable groups (§4.1, reference ``resireducegpt2.py``): each weight role of three
 consecutive blocks (``h_0-2``, ``h_3-5``, ... ``h_33-35``) shares one residual: 12 groups
@@ -24,49 +18,15 @@ tied LM head), as the reference's ``is_dim_compress`` does; ``wpe`` keeps a full
         --config.dataset.tokenizer=$DATA/gpt2/tokenizer.json
 """
 
-from train.config_schema import base_config
+from train.config_lib import sibling_config
+
+medium = sibling_config(__file__, "gpt2_medium_wikitext")
 
 NUM_LAYERS = 36
-LAYERS_PER_GROUP = 3
-
-
-def layer_group_rules(num_layers: int, per_group: int = LAYERS_PER_GROUP) -> tuple:
-    """One rule per run of ``per_group`` consecutive blocks: ``h_{i}/x`` -> ``h{a}-{b}/x``."""
-    rules = []
-    for first in range(0, num_layers, per_group):
-        last = min(first + per_group, num_layers) - 1
-        blocks = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"h_({blocks})/(.+)", rf"h{first}-{last}/\2"))
-    return tuple(rules)
 
 
 def get_config():
-    c = base_config()
+    c = medium.get_config()
     c.model.name = "gpt2_large"
-    c.dataset = {
-        "name": "text_files",
-        "train_files": "~/data/wikitext-103-raw/wiki.train.raw",
-        "eval_files": "~/data/wikitext-103-raw/wiki.valid.raw",
-        "tokenizer": "~/data/gpt2/tokenizer.json",
-        "context_length": 1024,
-    }
-    c.num_workers = 8
-    c.batch_size_per_worker = 2
-    c.num_epochs = 2.0
-    c.optimizer.name = "adamw"
-    c.optimizer.learning_rate = 5e-5
-    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.999, "eps": 1e-8}
-    c.optimizer.weight_decay = 0.0
-    c.schedule.name = "warmup_cosine"
-    c.schedule.warmup_epochs = 0.0
-    c.schedule.end_factor = 0.0
-    c.compression.variant = "w+2d"
-    c.compression.compressor = "topk"
-    c.compression.density = 0.01
-    c.compression.grouping = "regex"
-    c.compression.rules = layer_group_rules(NUM_LAYERS)
-    c.compression.intra_layers = r"^wte/embedding$"
-    c.log_every = 100
-    c.eval_every = 5000
-    c.checkpoint_every = 5000
+    c.compression.rules = medium.group_rules(NUM_LAYERS)
     return c

@@ -23,20 +23,15 @@ tied LM head), as the reference's ``is_dim_compress`` does; ``wpe`` keeps a full
         --config.dataset.tokenizer=$DATA/gpt2/tokenizer.json
 """
 
+from train.config_lib import consecutive_layer_rules
 from train.config_schema import base_config
 
 NUM_LAYERS = 24
-LAYERS_PER_GROUP = 3
 
 
-def layer_group_rules(num_layers: int, per_group: int = LAYERS_PER_GROUP) -> tuple:
-    """One rule per run of ``per_group`` consecutive blocks: ``h_{i}/x`` -> ``h{a}-{b}/x``."""
-    rules = []
-    for first in range(0, num_layers, per_group):
-        last = min(first + per_group, num_layers) - 1
-        blocks = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"h_({blocks})/(.+)", rf"h{first}-{last}/\2"))
-    return tuple(rules)
+def group_rules(num_layers: int) -> tuple:
+    """One rule per run of three consecutive blocks: ``h_{i}/x`` -> ``h{a}-{b}/x``."""
+    return consecutive_layer_rules(num_layers, prefix="h_", label="h")
 
 
 def get_config():
@@ -63,7 +58,7 @@ def get_config():
     c.compression.compressor = "topk"
     c.compression.density = 0.01
     c.compression.grouping = "regex"
-    c.compression.rules = layer_group_rules(NUM_LAYERS)
+    c.compression.rules = group_rules(NUM_LAYERS)
     c.compression.intra_layers = r"^wte/embedding$"
     c.log_every = 100
     c.eval_every = 5000

@@ -187,6 +187,40 @@ def test_paper_hyperparameters():
         assert c.dataset.name == "squad" and c.dataset.context_length == 384
 
 
+LARGE = {"gpt2_large_wikitext": "gpt2_medium_wikitext", "bert_large_squad": "bert_base_squad"}
+
+
+@pytest.mark.parametrize("large", sorted(LARGE))
+def test_large_configs_override_the_smaller_one(large):
+    small, big = load_config(LARGE[large]).to_dict(), load_config(large).to_dict()
+    changed = {
+        (section, key)
+        for section, values in big.items()
+        for key in (values if isinstance(values, dict) else [None])
+        if (values if key is None else values[key])
+        != (small[section] if key is None else small[section][key])
+    }
+    expected = {("model", "name"), ("compression", "rules")}
+    if large == "bert_large_squad":
+        expected |= {("dataset", "vocab_file"), ("compression", "density")}
+    assert changed == expected
+    # One group-rule definition, at each model's depth.
+    depth = models.get_config(big["model"]["name"]).num_layers
+    assert len(big["compression"]["rules"]) == depth // 3
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_large_configs_load_through_config_flags_from_anywhere(name, tmp_path, monkeypatch):
+    from absl import flags
+    from ml_collections import config_flags
+
+    monkeypatch.chdir(tmp_path)  # the sibling config is found next to the file, not in cwd
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values)
+    values(["prog", f"--config={os.path.join(CONFIG_DIR, name)}.py"])
+    assert values.config.to_dict() == load_config(name).to_dict()
+
+
 # ------------------------------------------------------------------ a few training steps
 
 

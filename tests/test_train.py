@@ -80,6 +80,39 @@ def test_every_variant_builds():
         train.build_run(c)
 
 
+def test_variant_vocabulary_and_optimizer_registry():
+    from resireduce_jax import models
+    from train import factory, tasks
+
+    assert factory.resireduce_arguments("w+2d") == {"inter": "weighted", "intra": "2d"}
+    assert factory.resireduce_arguments("d") == {"inter": "none", "intra": "rows"}
+    assert [v for v in config_schema.VARIANTS if factory.resireduce_arguments(v) is None] == [
+        "dense",
+        "none",
+        "ef",
+    ]
+    c = small_digits(**{"optimizer.name": "adamw_r", "optimizer.max_grad_norm": 1.0})
+    c.optimizer.kwargs = {}
+    params = {"w": jax.numpy.ones(3)}
+    # Ours clip inside their own pass: no clip_by_global_norm in front.
+    state = factory.build_optimizer(c, 0.1).init(params)
+    assert isinstance(state, rr.optimizers.AdamWRState)
+    c = small_digits(**{"optimizer.name": "adamw", "optimizer.max_grad_norm": 1.0})
+    c.optimizer.kwargs = {}
+    state = factory.build_optimizer(c, 0.1).init(params)
+    assert isinstance(state, tuple) and len(state) == 2  # clip_by_global_norm, adamw
+    c = small_digits(**{"optimizer.name": "nonesuch"})
+    with pytest.raises(ValueError, match=r"optimizer.name='nonesuch'.*adamw_r"):
+        factory.build_optimizer(c, 0.1)
+    model_config = models.get_config("byte_gpt")
+    task = tasks.make_task(model_config.build(), model_config, "language_modeling")
+    assert isinstance(task, tasks.CausalLM) and task.kind == "causal_lm"
+    with pytest.raises(ValueError, match="predicts 'causal_lm'"):
+        tasks.make_task(model_config.build(), model_config, "classification")
+    metrics = tasks.Task.summarize("classification", {"correct": 3, "loss_sum": 2.0, "count": 4})
+    assert metrics == {"accuracy": 0.75, "loss": 0.5}
+
+
 # ------------------------------------------------------------------ resume
 
 

@@ -3,6 +3,33 @@
 The chain is ``[gradient exchange] -> [optimizer]``: the exchange turns each worker's local
 gradients into the global mean (dense, compressed, error feedback or ResiReduce) and comes
 first, so the optimizer state stays replicated and only residuals are per worker.
+
+One vocabulary for residual variants. ``compression.variant`` (the paper's names) maps to
+the exchange, and for ResiReduce to ``resireduce_jax.resireduce(inter=..., intra=...)``,
+here only (:func:`resireduce_arguments`, on :func:`train.config_schema.parse_variant`):
+
+=========  ============================================  ============  ==========
+variant    exchange                                      ``inter``     ``intra``
+=========  ============================================  ============  ==========
+``dense``  ``compressed_mean(compressors.none())``       —             —
+``none``   ``compressed_mean(compressor)``, no residual  —             —
+``ef``     ``error_feedback(compressor)``                —             —
+``a``      ``resireduce(compressor, ...)``               ``average``   ``none``
+``w``      ``resireduce``                                ``weighted``  ``none``
+``d``      ``resireduce``                                ``none``      ``rows``
+``2d``     ``resireduce``                                ``none``      ``2d``
+``a+d``    ``resireduce``                                ``average``   ``rows``
+``a+2d``   ``resireduce``                                ``average``   ``2d``
+``w+d``    ``resireduce``                                ``weighted``  ``rows``
+``w+2d``   ``resireduce``                                ``weighted``  ``2d``
+=========  ============================================  ============  ==========
+
+(``resireduce(inter="none", intra="none")`` is error feedback too; ``ef`` uses
+``error_feedback``.) The residual stores of a ResiReduce plan
+(:func:`build_store_plans`) then have a ``kind`` from the same words: a group of several
+layers gets the ``inter`` kind (``average`` / ``weighted``), a single layer that
+``intra_layers`` selects gets the ``intra`` kind (``rows`` / ``2d``), any other layer a
+full ``leaf`` residual.
 """
 
 from __future__ import annotations
@@ -14,10 +41,10 @@ import ml_collections
 import optax
 
 import resireduce_jax as rr
+from resireduce_jax.optimizers.registry import optimizer_factory
 from train import config_schema
 
 __all__ = [
-    "OPTIMIZERS_OF_OURS",
     "build_compressor",
     "build_exchange",
     "build_grouping",
@@ -25,18 +52,22 @@ __all__ = [
     "build_schedule",
     "build_store_plans",
     "build_tx",
+    "resireduce_arguments",
 ]
 
-
-def _ours() -> dict[str, Any]:
-    try:
-        from resireduce_jax import optimizers
-    except ImportError:  # pragma: no cover - the optimizers module ships with the library
-        return {}
-    return {name: getattr(optimizers, name) for name in ("adamw_r", "adan_r", "lion_r")}
+#: Variants that are not ResiReduce (see the table above).
+_OTHER_EXCHANGES = ("dense", "none", "ef")
 
 
-OPTIMIZERS_OF_OURS = ("adamw_r", "adan_r", "lion_r")
+def resireduce_arguments(variant: str) -> dict[str, str] | None:
+    """``resireduce``'s ``inter`` / ``intra`` for a config ``variant``; ``None`` if not ResiReduce.
+
+    The one mapping from ``compression.variant`` to the library's arguments (module table).
+    """
+    if variant in _OTHER_EXCHANGES:
+        return None
+    inter, intra = config_schema.parse_variant(variant)
+    return {"inter": inter, "intra": intra}
 
 
 def build_compressor(comp: ml_collections.ConfigDict) -> rr.compressors.Compressor:
@@ -75,11 +106,12 @@ def build_exchange(
 
 
 def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[str, Any]:
-    inter, intra = config_schema.parse_variant(variant)
+    arguments = resireduce_arguments(variant)
+    if arguments is None:
+        raise ValueError(f"compression.variant={variant!r} is not a ResiReduce variant.")
     return dict(
         grouping=build_grouping(comp),
-        inter=inter,
-        intra=intra,
+        **arguments,
         intra_layers=comp.intra_layers,
         row_ratio=comp.row_ratio,
         col_ratio=comp.col_ratio,
@@ -93,7 +125,7 @@ def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[s
 
 def build_store_plans(comp: ml_collections.ConfigDict, params) -> list | None:
     """ResiReduce's residual store plans for ``params`` (``None`` for other variants)."""
-    if comp.variant in ("dense", "none", "ef"):
+    if resireduce_arguments(comp.variant) is None:
         return None
     return rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
 
@@ -118,34 +150,35 @@ def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, to
 
 
 def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.GradientTransformation:
-    """Any optax optimizer by name (``optax.<name>``) or one of ours (adamw_r, adan_r, lion_r).
+    """The optimizer ``optimizer.name``: one of ours (``adamw_r``, ...) or an optax optimizer.
 
+    Looked up in the library's registry
+    (:func:`resireduce_jax.optimizers.registry.optimizer_factory`).
     ``optimizer.weight_decay`` goes to the optimizer's own ``weight_decay`` argument when
     it has one (decoupled, AdamW-style), else it is added as L2 to the gradients before the
     optimizer, like torch.optim.SGD's weight_decay. ``optimizer.max_grad_norm`` clips the
     global norm of the (already averaged) gradient first.
     """
     o = config.optimizer
-    ours = _ours()
-    factory = ours.get(o.name) or getattr(optax, o.name, None)
-    if factory is None or not callable(factory):
-        raise ValueError(
-            f"optimizer.name={o.name!r} is neither an optax optimizer nor one of "
-            f"{list(OPTIMIZERS_OF_OURS)}."
-        )
+    try:
+        factory = optimizer_factory(o.name)
+    except ValueError as e:
+        raise ValueError(f"optimizer.name={o.name!r}: {e}") from None
     kwargs = config_schema.free_form(o.kwargs)
     params = inspect.signature(factory).parameters
     decoupled = "weight_decay" in params
     if decoupled:
         kwargs.setdefault("weight_decay", o.weight_decay)
-    if o.name in ours and o.max_grad_norm is not None:
+    # Ours clip in their own per-leaf pass; optax's get a clip_by_global_norm first.
+    fused_clip = "max_grad_norm" in params
+    if fused_clip and o.max_grad_norm is not None:
         kwargs.setdefault("max_grad_norm", o.max_grad_norm)
     try:
         optimizer = factory(learning_rate=schedule, **kwargs)
     except TypeError as e:
         raise ValueError(f"optimizer {o.name!r} does not accept {sorted(kwargs)}: {e}") from None
     chain = []
-    if o.max_grad_norm is not None and o.name not in ours:
+    if o.max_grad_norm is not None and not fused_clip:
         chain.append(optax.clip_by_global_norm(o.max_grad_norm))
     if o.weight_decay and not decoupled:
         chain.append(optax.add_decayed_weights(o.weight_decay))

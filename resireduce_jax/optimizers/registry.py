@@ -11,7 +11,7 @@ from resireduce_jax.optimizers.adamw_r import adamw_r
 from resireduce_jax.optimizers.adan_r import adan_r
 from resireduce_jax.optimizers.lion_r import lion_r
 
-__all__ = ["OPTIMIZERS", "get_optimizer"]
+__all__ = ["OPTIMIZERS", "get_optimizer", "optimizer_factory"]
 
 # This library's optimizers. Any other name is looked up among optax's optimizer
 # aliases (``optax.adamw``, ``optax.lion``, ``optax.sgd``, ...).
@@ -34,6 +34,23 @@ def _optax_optimizer_names() -> list[str]:
     )
 
 
+def optimizer_factory(name: str) -> Callable[..., optax.GradientTransformation]:
+    """The function that builds optimizer ``name`` (ours, else optax's alias of that name).
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name]
+    known = _optax_optimizer_names()
+    if name in known:
+        return getattr(optax, name)
+    raise ValueError(
+        f"Unknown optimizer {name!r}. This library provides {sorted(OPTIMIZERS)}; "
+        f"optax provides {known}."
+    )
+
+
 def get_optimizer(name: str, **hyperparams: Any) -> optax.GradientTransformation:
     """Builds the optimizer called ``name`` with ``hyperparams`` (keyword arguments).
 
@@ -48,12 +65,4 @@ def get_optimizer(name: str, **hyperparams: Any) -> optax.GradientTransformation
     Raises:
       ValueError: for an unknown name, listing the known ones.
     """
-    if name in OPTIMIZERS:
-        return OPTIMIZERS[name](**hyperparams)
-    known = _optax_optimizer_names()
-    if name in known:
-        return getattr(optax, name)(**hyperparams)
-    raise ValueError(
-        f"Unknown optimizer {name!r}. This library provides {sorted(OPTIMIZERS)}; "
-        f"optax provides {known}."
-    )
+    return optimizer_factory(name)(**hyperparams)

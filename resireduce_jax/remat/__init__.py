@@ -22,7 +22,7 @@ into the forward pass. The planner checks that the barriers survived.
 """
 
 from resireduce_jax.remat import baselines, zoo
-from resireduce_jax.remat.costs import ChainCosts, chain_shapes, measure_chain, tree_bytes
+from resireduce_jax.remat.costs import ChainCosts, chain_shapes, measure_chain
 from resireduce_jax.remat.executor import (
     CompiledGradient,
     apply_plan,
@@ -73,6 +73,5 @@ __all__ = [
     "sequenced_stage",
     "solve",
     "sum_of_outputs",
-    "tree_bytes",
     "zoo",
 ]
