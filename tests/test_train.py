@@ -97,10 +97,10 @@ def test_variant_vocabulary_and_optimizer_registry():
     # Ours clip inside their own pass: no clip_by_global_norm in front.
     state = factory.build_optimizer(c, 0.1).init(params)
     assert isinstance(state, rr.optimizers.AdamWRState)
-    c = small_digits(**{"optimizer.name": "adamw", "optimizer.max_grad_norm": 1.0})
+    c = small_digits(**{"optimizer.name": "adabelief", "optimizer.max_grad_norm": 1.0})
     c.optimizer.kwargs = {}
     state = factory.build_optimizer(c, 0.1).init(params)
-    assert isinstance(state, tuple) and len(state) == 2  # clip_by_global_norm, adamw
+    assert isinstance(state, tuple) and len(state) == 2  # clip_by_global_norm, optax.adabelief
     c = small_digits(**{"optimizer.name": "nonesuch"})
     with pytest.raises(ValueError, match=r"optimizer.name='nonesuch'.*adamw_r"):
         factory.build_optimizer(c, 0.1)
