@@ -10,15 +10,20 @@ import optax
 from resireduce_jax.optimizers.adamw_r import adamw_r
 from resireduce_jax.optimizers.adan_r import adan_r
 from resireduce_jax.optimizers.lion_r import lion_r
+from resireduce_jax.optimizers.sgd import sgd
 
 __all__ = ["OPTIMIZERS", "get_optimizer", "optimizer_factory"]
 
-# This library's optimizers. Any other name is looked up among optax's optimizer
-# aliases (``optax.adamw``, ``optax.lion``, ``optax.sgd``, ...).
+# This library's optimizers. "sgd" and "adamw" are this library's skip-aware equivalents
+# of optax's (bit-identical updates; under resireduce_jax.skip_nonfinite they keep their
+# moments on a skipped step in place instead of through a copy). Any other name is looked
+# up among optax's optimizer aliases (``optax.lion``, ``optax.adan``, ...).
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": adamw_r,
     "adamw_r": adamw_r,
     "adan_r": adan_r,
     "lion_r": lion_r,
+    "sgd": sgd,
 }
 
 
