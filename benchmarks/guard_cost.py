@@ -129,21 +129,9 @@ def compile_peak(model: str, variant: str, opt: str, guard: str) -> dict[str, An
         tx = rr.skip_nonfinite(tx, strict=guard == "strict")
     mesh = rr.parallel.make_mesh(8)
     step = rr.parallel.data_parallel_step(loss, tx, mesh)
-    step.state_specs = specs = rr.parallel.state_partition_specs(tx, params, mesh)
-    on = lambda tree, spec: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
-    )
-    sharded = on(params, P())
-    init = jax.shard_map(
-        lambda p: rr.parallel.stack_per_worker(tx.init(p), specs),
-        mesh=mesh,
-        in_specs=P(),
-        out_specs=specs,
-    )
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        jax.eval_shape(init, sharded),
-        specs,
+    step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
+    sharded = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params
     )
     batch = {
         k: jax.ShapeDtypeStruct((8 * s[0], *s[1:]), d, sharding=NamedSharding(mesh, P("data")))

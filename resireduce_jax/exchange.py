@@ -48,10 +48,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import Compressor, after, check_axis_bound, dense_mean
-from resireduce_jax.grouping import Group
-from resireduce_jax.tree_paths import is_compressible, leaf_paths, validate_float_leaves
+from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
 
 PyTree = Any
 StorePlanner = Callable[[PyTree], Sequence[stores.StorePlan]]
@@ -65,7 +65,6 @@ __all__ = [
     "exchange_states",
     "leaf_key",
     "leaf_residuals",
-    "map_exchange_states",
     "resize_workers",
 ]
 
@@ -337,13 +336,8 @@ def exchange(
 
 def singleton_stores(params: PyTree, min_size: int, kind: str) -> list[stores.StorePlan]:
     """One ``kind`` store (``"none"`` or ``"leaf"``) per compressed leaf, labelled by path."""
-    out = []
-    for i, (path, x) in enumerate(zip(leaf_paths(params), jax.tree.leaves(params), strict=True)):
-        if is_compressible(x, min_size):
-            shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
-            group = Group(label=path, members=(i,), paths=(path,), shape=shape, dtype=dtype)
-            out.append(stores.StorePlan(group=group, kind=kind, dtype=dtype))
-    return out
+    groups = grouping_lib.resolve(params, grouping_lib.each_leaf(), min_size)
+    return [stores.StorePlan(group=g, kind=kind, dtype=g.dtype) for g in groups]
 
 
 # ------------------------------------------------------------- state surgery (per worker)
@@ -358,20 +352,6 @@ def exchange_states(opt_state: PyTree) -> list[ExchangeState]:
     return [
         x for x in jax.tree.leaves(opt_state, is_leaf=_is_exchange_state) if _is_exchange_state(x)
     ]
-
-
-def map_exchange_states(fn: Callable[..., Any], opt_state: PyTree, *rest: PyTree) -> PyTree:
-    """``opt_state`` with every exchange state ``s`` replaced by ``fn(s, *r)``.
-
-    ``rest`` are trees with ``opt_state``'s structure (e.g. its PartitionSpecs); ``r`` are
-    their nodes at the same place. Everything else is returned unchanged.
-    """
-    return jax.tree.map(
-        lambda x, *r: fn(x, *r) if _is_exchange_state(x) else x,
-        opt_state,
-        *rest,
-        is_leaf=_is_exchange_state,
-    )
 
 
 def leaf_residuals(

@@ -40,6 +40,7 @@ PyTree = Any
 
 __all__ = [
     "DataParallelStep",
+    "abstract_state",
     "data_parallel_step",
     "make_mesh",
     "replicated",
@@ -170,6 +171,34 @@ def state_partition_specs(
             break
         flags = new_flags
     return _specs_from_flags(flags, axis_name)
+
+
+def abstract_state(
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    mesh: Mesh,
+    axis_name: str = "data",
+) -> tuple[PyTree, PyTree]:
+    """``(state specs, state)`` of ``tx`` for ``params`` with nothing allocated.
+
+    The state is the global layout :meth:`DataParallelStep.init` produces (per-worker leaves
+    with a leading worker axis), as ``jax.ShapeDtypeStruct``s carrying their shardings, so
+    ``step.lower(params, state, ...)`` can compile a step for a model that would not fit.
+    """
+    specs = state_partition_specs(tx, params, mesh, axis_name)
+    replicated = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, P())),
+        params,
+    )
+    init = jax.shard_map(
+        lambda p: stack_per_worker(tx.init(p), specs), mesh=mesh, in_specs=P(), out_specs=specs
+    )
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        jax.eval_shape(init, replicated),
+        specs,
+    )
+    return specs, state
 
 
 def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:

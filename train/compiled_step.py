@@ -179,19 +179,8 @@ def compile_step(
 
     tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
     step = build_step(task, tx, mesh)
-    step.state_specs = specs = rr.parallel.state_partition_specs(tx, params, mesh, AXIS)
+    step.state_specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, AXIS)
     sharded_params = _on(replicated, params)
-    init = jax.shard_map(
-        lambda p: rr.parallel.stack_per_worker(tx.init(p), specs),
-        mesh=mesh,
-        in_specs=P(),
-        out_specs=specs,
-    )
-    opt_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        jax.eval_shape(init, sharded_params),
-        specs,
-    )
     model_state = _on(replicated, variables)
     global_batch = _on(NamedSharding(mesh, P(AXIS)), batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
