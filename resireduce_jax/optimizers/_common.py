@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 PyTree = Any
 ScalarOrSchedule = float | Callable[[jax.Array], jax.typing.ArrayLike]
@@ -204,18 +205,33 @@ def scalar_as(value: jax.typing.ArrayLike, like: jax.Array) -> jax.Array:
     return jnp.asarray(value).astype(like.dtype)
 
 
-def skip_aware(skip: jax.Array | None, update: jax.Array, *states: tuple[jax.Array, jax.Array]):
-    """``(update, *new states)`` of one leaf, or ``(0, *old states)`` where ``skip`` is true.
+def gated_step(
+    skip: jax.Array | None,
+    g: jax.Array,
+    olds: tuple[jax.Array, ...],
+    new_states: Callable[..., tuple[jax.Array, ...]],
+    update_from: Callable[..., jax.Array],
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """One leaf's step, ``(update, stored new states)``, that a late ``skip`` gates in place.
 
-    The select sits in the same elementwise pass that writes each new state into the old
-    state's buffer, so a skipped step costs no extra buffer (unlike a select over the
-    whole optimizer state after the update, which keeps old and new moments alive
-    side by side). ``states`` are ``(new, old)`` pairs; without ``skip`` the new ones are
-    returned as they are.
+    ``new_states(g, *olds)`` gives the new states in compute precision and
+    ``update_from(g, *news)`` the update from them; each new state is stored in its old
+    state's dtype. Without ``skip`` this is exactly that computation. With ``skip`` (a
+    traced boolean, decided after every gradient exists: :func:`resireduce_jax.skip_nonfinite`)
+    the kept states ``where(skip, old, new)`` are formed first and the update is computed
+    *from the kept states*, so that every old state has a single reader, the pass that
+    overwrites it: XLA then updates the state in its donated buffer and keeps no copy of
+    it (measured: one state-sized copy per leaf otherwise, because the update's fusion
+    would re-read the old state after it may have been overwritten). On a step that is
+    not skipped the kept states equal the new ones bit for bit, so the update is the
+    same; on a skipped step the update is zero and every state is returned unchanged.
     """
+    news = new_states(g, *olds)
     if skip is None:
-        return (update, *(new for new, _ in states))
-    return (
-        jnp.where(skip, jnp.zeros((), update.dtype), update),
-        *(jnp.where(skip, old, new) for new, old in states),
-    )
+        stored = tuple(n.astype(o.dtype) for n, o in zip(news, olds, strict=True))
+        return update_from(g, *news), stored
+    kept = tuple(jnp.where(skip, o.astype(n.dtype), n) for n, o in zip(news, olds, strict=True))
+    kept = lax.optimization_barrier(kept)  # the update reads the kept states, not the old
+    update = update_from(g, *kept)
+    update = jnp.where(skip, jnp.zeros((), update.dtype), update)
+    return update, tuple(k.astype(o.dtype) for k, o in zip(kept, olds, strict=True))

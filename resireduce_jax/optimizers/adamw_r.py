@@ -42,10 +42,10 @@ from resireduce_jax.optimizers._common import (
     clip_factor,
     decay_flags,
     descend,
+    gated_step,
     global_norm,
     is_zero_constant,
     scalar_as,
-    skip_aware,
     value_at,
 )
 
@@ -163,23 +163,25 @@ def adamw_r(
         def leaf(g, mu, nu, p, decayed):
             if clip_norm is not None:
                 g = g * scalar_as(factor, g)
-            mu_new = (1 - b1) * g + b1 * mu
-            nu_new = (1 - b2) * (g * g) + b2 * nu
-            if nesterov:
-                mu_hat = b1 * (mu_new / bias1_next.astype(mu_new.dtype)) + (1 - b1) * (
-                    g / bias1.astype(g.dtype)
-                )
-            else:
-                mu_hat = mu_new / bias1.astype(mu_new.dtype)
-            nu_hat = nu_new / bias2.astype(nu_new.dtype)
-            u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-            if decayed and not skip_decay:
-                u = u + decay * p
-            u = descend(u, lr, scheduled=callable(learning_rate))
-            if mu_dtype is not None:
-                mu_new = mu_new.astype(mu_dtype)
-            nu_new = nu_new.astype(nu.dtype)
-            return skip_aware(skip, u, (mu_new, mu), (nu_new, nu))
+
+            def new_moments(g, mu, nu):
+                return (1 - b1) * g + b1 * mu, (1 - b2) * (g * g) + b2 * nu
+
+            def update_from(g, mu_new, nu_new):
+                if nesterov:
+                    mu_hat = b1 * (mu_new / bias1_next.astype(mu_new.dtype)) + (1 - b1) * (
+                        g / bias1.astype(g.dtype)
+                    )
+                else:
+                    mu_hat = mu_new / bias1.astype(mu_new.dtype)
+                nu_hat = nu_new / bias2.astype(nu_new.dtype)
+                u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+                if decayed and not skip_decay:
+                    u = u + decay * p
+                return descend(u, lr, scheduled=callable(learning_rate))
+
+            u, (mu_new, nu_new) = gated_step(skip, g, (mu, nu), new_moments, update_from)
+            return u, mu_new, nu_new
 
         out = jax.tree.map(leaf, updates, state.mu, state.nu, params, flags)
         treedef = jax.tree.structure(updates)

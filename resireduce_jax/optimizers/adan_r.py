@@ -74,10 +74,10 @@ from resireduce_jax.optimizers._common import (
     check_max_grad_norm,
     check_non_negative,
     decay_flags,
+    gated_step,
     global_norm,
     is_zero_constant,
     scalar_as,
-    skip_aware,
     value_at,
 )
 
@@ -222,33 +222,43 @@ def adan_r(
             def clipped(x, factor):
                 return x if factor is None else x * scalar_as(factor, x)
 
-            m_old, w_old = m, w
             g, prev = clipped(grad, scale), clipped(prev, prev_scale)
             zero = jnp.zeros_like(g)
-            diff = jnp.where(first, zero, g - prev)
-            nesterov = diff * b2 + g
-            n_new = b3 * n + (1 - b3) * (nesterov * nesterov)
-            # The new state takes over buffers in the order n -> m -> w (see the module
-            # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the
-            # m update read n_new, so it runs after the n update; likewise w after m.
-            m = m + jnp.minimum(n_new, 0)
-            m_new = b1 * m + (1 - b1) * g
-            w = w + jnp.minimum(jnp.abs(m_new), 0)
-            w_new = b2 * jnp.where(first, zero, w + (1 - b2) * g) - (1 - b2) * g
-            # v from the *new* carry, so that w's old buffer has one reader (the w update
-            # itself) and can be overwritten in place in a train step. With b2 = 0, v is
-            # the plain gradient difference.
-            v_new = jnp.where(first, zero, (w_new + (1 - b2) * g) / b2) if b2 > 0 else diff
-            denom = jnp.sqrt(n_new) / scalar_as(sqrt_bias3, g) + eps
-            delta = (scalar_as(step_m, g) * m_new + scalar_as(step_v, g) * v_new) / denom
-            if decayed and not skip_decay:
-                lr_decay = scalar_as(lr * decay, p)
-                u = -(delta + lr_decay * p)
-                if not no_prox:  # (θ − Δ)/(1 + ηλ) − θ
-                    u = u / (1 + lr_decay)
-            else:
-                u = -delta
-            return skip_aware(skip, u.astype(p.dtype), (n_new, n), (m_new, m_old), (w_new, w_old))
+
+            def new_states(g, n, m, w):
+                diff = jnp.where(first, zero, g - prev)
+                nesterov = diff * b2 + g
+                n_new = b3 * n + (1 - b3) * (nesterov * nesterov)
+                # The new state takes over buffers in the order n -> m -> w (see the module
+                # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the
+                # m update read n_new, so it runs after the n update; likewise w after m.
+                m = m + jnp.minimum(n_new, 0)
+                m_new = b1 * m + (1 - b1) * g
+                w = w + jnp.minimum(jnp.abs(m_new), 0)
+                w_new = b2 * jnp.where(first, zero, w + (1 - b2) * g) - (1 - b2) * g
+                return n_new, m_new, w_new
+
+            def update_from(g, n_new, m_new, w_new):
+                # v from the *new* carry, so that w's old buffer has one reader (the w
+                # update itself) and can be overwritten in place in a train step. With
+                # b2 = 0, v is the plain gradient difference.
+                if b2 > 0:
+                    v_new = jnp.where(first, zero, (w_new + (1 - b2) * g) / b2)
+                else:
+                    v_new = jnp.where(first, zero, g - prev)
+                denom = jnp.sqrt(n_new) / scalar_as(sqrt_bias3, g) + eps
+                delta = (scalar_as(step_m, g) * m_new + scalar_as(step_v, g) * v_new) / denom
+                if decayed and not skip_decay:
+                    lr_decay = scalar_as(lr * decay, p)
+                    u = -(delta + lr_decay * p)
+                    if not no_prox:  # (θ − Δ)/(1 + ηλ) − θ
+                        u = u / (1 + lr_decay)
+                else:
+                    u = -delta
+                return u.astype(p.dtype)
+
+            u, (n_new, m_new, w_new) = gated_step(skip, g, (n, m, w), new_states, update_from)
+            return u, n_new, m_new, w_new
 
         out = jax.tree.map(
             leaf,

@@ -40,10 +40,10 @@ from resireduce_jax.optimizers._common import (
     clip_factor,
     decay_flags,
     descend,
+    gated_step,
     global_norm,
     is_zero_constant,
     scalar_as,
-    skip_aware,
     value_at,
 )
 
@@ -147,14 +147,18 @@ def lion_r(
         def leaf(g, mu, p, decayed):
             if clip_norm is not None:
                 g = g * scalar_as(factor, g)
-            mu_new = (1 - b2) * g + b2 * mu
-            u = jnp.sign(g + ratio * (mu_new - g))
-            if decayed and not skip_decay:
-                u = u + decay * p
-            u = descend(u, lr, scheduled=callable(learning_rate))
-            if mu_dtype is not None:
-                mu_new = mu_new.astype(mu_dtype)
-            return skip_aware(skip, u, (mu_new, mu))
+
+            def new_momentum(g, mu):
+                return ((1 - b2) * g + b2 * mu,)
+
+            def update_from(g, mu_new):
+                u = jnp.sign(g + ratio * (mu_new - g))
+                if decayed and not skip_decay:
+                    u = u + decay * p
+                return descend(u, lr, scheduled=callable(learning_rate))
+
+            u, (mu_new,) = gated_step(skip, g, (mu,), new_momentum, update_from)
+            return u, mu_new
 
         out = jax.tree.map(leaf, updates, state.mu, params, flags)
         new_updates, mu = jax.tree.transpose(

@@ -20,7 +20,7 @@ from resireduce_jax.optimizers._common import (
     check_beta,
     check_non_negative,
     descend,
-    skip_aware,
+    gated_step,
     value_at,
 )
 
@@ -80,12 +80,18 @@ def sgd(
 
         def leaf(g, t):
             if momentum is None:
-                (u,) = skip_aware(skip, descend(g, lr, scheduled=scheduled))
-                return u, t
-            t_new = g + momentum * t
-            direction = g + momentum * t_new if nesterov else t_new
-            t_new = t_new if dtype is None else t_new.astype(dtype)
-            return skip_aware(skip, descend(direction, lr, scheduled=scheduled), (t_new, t))
+                u = descend(g, lr, scheduled=scheduled)
+                return (u if skip is None else jnp.where(skip, jnp.zeros((), u.dtype), u)), t
+
+            def new_trace(g, t):
+                return (g + momentum * t,)
+
+            def update_from(g, t_new):
+                direction = g + momentum * t_new if nesterov else t_new
+                return descend(direction, lr, scheduled=scheduled)
+
+            u, (t_new,) = gated_step(skip, g, (t,), new_trace, update_from)
+            return u, t_new
 
         leaves, treedef = jax.tree.flatten(updates)
         traces = treedef.flatten_up_to(state.trace)
