@@ -276,3 +276,20 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
     assert summary.memory["saving"] == 0.0  # ef vs ef
     with open(os.path.join(workdir, "config.json")) as f:
         assert json.load(f)["compression"]["variant"] == "ef"
+
+
+def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(
+    tmp_path, capsys
+):
+    config = small_digits(**{"compression.variant": "w+2d"})
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "Compiled train step per worker" in out and "skip_nonfinite on" in out
+    rows = {r["variant"]: r for r in summary.memory["compiled_peak"]["rows"]}
+    assert set(rows) == {"w+2d", "ef", "dense"}
+    for r in rows.values():  # the peak is what the compiled program holds at once
+        assert r["peak"] == r["argument"] + r["output"] - r["alias"] + r["temp"] > 0
+    assert rows["dense"]["residuals"] == 0
+    assert 0 < rows["w+2d"]["residuals"] < rows["ef"]["residuals"]
+    # The residual saving reaches the peak of the step the program runs.
+    assert rows["w+2d"]["peak"] < rows["ef"]["peak"]

@@ -234,6 +234,8 @@ def memory_report(
     num_workers: int | None = None,
     guard: bool = True,
     task: tasks.Task | None = None,
+    steps_per_epoch: float = 100.0,
+    total_steps: int = 1000,
 ) -> MemoryReport:
     """The compiled per-worker peak of the configured variant beside ``ef`` and ``dense``.
 
@@ -251,6 +253,8 @@ def memory_report(
             batch_per_worker=batch_per_worker,
             seq_len=seq_len,
             num_workers=num_workers,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps,
             task=task,
         )
         states = rr.memory.model_state_bytes(step.params, step.tx)

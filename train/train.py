@@ -32,6 +32,7 @@ import resireduce_jax as rr
 from resireduce_jax import models
 from train import (
     checkpointing,
+    compiled_step,
     config_schema,
     factory,
     input_pipeline,
@@ -215,6 +216,17 @@ def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
         "reduced": comparison.reduced.as_dict(),
         "saving": comparison.saving,
     }
+    # What users gain is the compiled peak of the step they run, not the state bytes:
+    # compile this step (guarded, as trained) beside plain EF's and the dense exchange's.
+    compiled = compiled_step.memory_report(
+        run.config,
+        num_workers=run.mesh.size,
+        task=run.task,
+        steps_per_epoch=run.steps_per_epoch,
+        total_steps=run.total_steps,
+    )
+    lines += ["", str(compiled)]
+    figures["compiled_peak"] = compiled.as_dict()
     if run.remat_choice is not None:
         choice = run.remat_choice
         lines += ["", "Activation checkpointing (per worker):", choice.summary()]
