@@ -34,7 +34,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from train import config_schema, distributed
+from train import config_schema, distributed, supervisor
 from train.config_schema import ConfigError
 
 FLAGS = flags.FLAGS
@@ -79,6 +79,18 @@ def _define_flags() -> None:
         "Seconds after which a lost peer stops the run: a CPU collective waiting this long "
         "aborts, and in multi-process runs a process that sent no heartbeat for this long is "
         "declared dead (jax.distributed), so the other processes exit instead of hanging.",
+    )
+    flags.DEFINE_integer(
+        "initialization_timeout_s",
+        120,
+        "Multi-process runs: seconds to wait for every process to connect to the coordinator.",
+    )
+    flags.DEFINE_bool(
+        "supervise",
+        True,
+        "Multi-process runs: train in a child process and report its fate (a lost peer: one "
+        f"message, the last checkpoint, the resume command, exit status "
+        f"{supervisor.EXIT_PEER_LOST}) instead of JAX's abort (train/supervisor.py).",
     )
 
 
@@ -206,6 +218,8 @@ def _check_workdir(workdir: str | None) -> str:
 
 
 def run(argv) -> None:
+    if supervisor.in_child():
+        supervisor.start_child()
     if len(argv) > 1:
         _fail(f"unexpected argument(s) {argv[1:]}; flags take the form --name=value (see --help).")
     with _user_errors():
@@ -220,20 +234,40 @@ def run(argv) -> None:
                 f"num_workers={config.num_workers} does not split over {setup.num_processes} "
                 "processes; set --config.num_workers to a multiple of --num_processes."
             )
+    if setup.multi_process and FLAGS.supervise and not supervisor.in_child():
+        job = supervisor.JobInfo(
+            workdir=workdir,
+            process_id=setup.process_id,
+            num_processes=setup.num_processes,
+            coordinator_address=setup.coordinator_address,
+            collective_timeout_s=FLAGS.collective_timeout_s,
+            initialization_timeout_s=FLAGS.initialization_timeout_s,
+            command=sys.orig_argv,
+        )
+        sys.exit(supervisor.supervise(job, [sys.executable, *sys.orig_argv[1:]]))
+
     from resireduce_jax import runtime
 
     runtime.configure_cpu(
         num_devices=config.num_workers // setup.num_processes,
         collective_timeout_s=FLAGS.collective_timeout_s,
     )
-    distributed.start(setup, heartbeat_timeout_s=FLAGS.collective_timeout_s)
-    # Our own messages are printed; keep library chatter (orbax logs every write) quiet.
+    # Our own messages are printed; keep library chatter (orbax logs every write,
+    # jax.distributed its start-up) quiet.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)
+    distributed.start(
+        setup,
+        initialization_timeout_s=FLAGS.initialization_timeout_s,
+        heartbeat_timeout_s=FLAGS.collective_timeout_s,
+    )
+    supervisor.notify("ready")
 
     from train import train  # imports jax lazily, after the XLA flags are set
 
-    with _user_errors():  # unknown model or dataset name, missing data files, ...
+    if supervisor.in_child():
+        train.STEP_CALLBACKS.append(supervisor.notify_step)
+    with _user_errors(), supervisor.peer_failures():  # user mistakes; a lost peer
         summary = train.train_and_evaluate(config, workdir)
     sys.exit(0 if summary.step > 0 or summary.preempted else 1)
 

@@ -34,7 +34,10 @@ class MetricWriter:
             os.makedirs(workdir, exist_ok=True)
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            # tensorboardX writes events from a queue in its own thread, so the flush in
+            # write() misses the record just queued; flush_secs=1 puts it on disk within a
+            # second, before a process that lost a peer is ended (train/supervisor.py).
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=1)
 
     def write(self, step: int, split: str, metrics: dict[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "split": split}

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,6 +54,9 @@ MAX_QUEUED_STEPS = 8
 # Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather, at
 # steps where the loop blocks anyway), so that all processes stop at the same step.
 STOP_SYNC_EVERY = MAX_QUEUED_STEPS
+# Called with the number of every finished step (train/main.py reports it to the
+# supervising parent process, which names the step if a peer is lost).
+STEP_CALLBACKS: list[Callable[[int], None]] = []
 
 
 class Preempted(Exception):
@@ -420,6 +424,8 @@ def train_and_evaluate(
                 params, opt_state, model_state, batch, rng
             )
             step += 1
+            for callback in STEP_CALLBACKS:
+                callback(step)
             if raise_on_nonfinite and bool(jax.device_get(opt_state.last_skipped)):
                 bad = int(jax.device_get(opt_state.bad_leaf))
                 raise NonFiniteGradients(

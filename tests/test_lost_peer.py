@@ -1,0 +1,238 @@
+"""A lost peer ends the other processes of a job cleanly (train/supervisor.py).
+
+The real program runs as 2 processes on 127.0.0.1 (tests/test_multiprocess.py's
+``LocalJob``); one is SIGKILLed mid-run, or never started. The survivor must stop within
+the timeout with exit status ``supervisor.EXIT_PEER_LOST`` (not an abort), print one
+message naming the lost process, the step, the last complete checkpoint and the command
+that resumes, keep JAX's C++ report and thread dump out of the console (they go to the
+crash log), and leave metrics.jsonl and TensorBoard flushed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_multiprocess import JOB, ROOT, LocalJob, committed_steps
+from train import supervisor
+
+TIMEOUT_S = 5  # --collective_timeout_s: the survivor stops this long after the loss
+# Long enough that the kill lands mid-run; checkpoints every 6 steps.
+ENDLESS = {**JOB, "num_steps": 100_000}
+LOST = re.compile(r"^error: lost process (\d+) of 2.* at step (\d+)[:;]", re.M)
+CHECKPOINT = re.compile(r"Last complete checkpoint: step (\d+) in (\S+)\.")
+NOISE = ("Fatal Python error", "Thread 0x", "Check failure stack trace", "Traceback", "F1")
+
+
+def tensorboard_steps(workdir: str) -> list[int]:
+    """Steps of the scalar events in ``<workdir>/tensorboard`` (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for path in glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")):
+        with open(path, "rb") as f:
+            data = f.read()
+        i = 0
+        while i + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + length])
+            i += 12 + length + 4
+            if event.summary.value:
+                steps.append(event.step)
+    return steps
+
+
+def _last_metrics_line(workdir: str) -> dict:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        text = f.read()
+    assert text.endswith("\n"), text[-200:]
+    return json.loads(text.splitlines()[-1])
+
+
+def _check_console(out: str) -> str:
+    """The survivor's console: one clean error block; returns it."""
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1, out[-3000:]
+    for noise in NOISE:
+        assert noise not in out, (noise, out[-3000:])
+    return out[out.index("error:") :]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker_lost", "coordinator_lost"])
+def test_killed_peer_ends_the_survivor_with_one_clear_message(tmp_path, victim):
+    workdir = str(tmp_path / "run")
+    survivor = 1 - victim
+    with LocalJob(workdir, 2, ENDLESS, [f"--collective_timeout_s={TIMEOUT_S}"]) as job:
+        seen = job.wait_for_step(8)  # past the first checkpoint (step 6)
+        job.send(signal.SIGKILL, processes=[victim])
+        killed = time.monotonic()
+        (code,) = job.wait(timeout=TIMEOUT_S + 60, processes=[survivor])
+        elapsed = time.monotonic() - killed
+        out = job.output(survivor)
+    print(f"process {survivor} stopped {elapsed:.1f} s after process {victim} was killed")
+    assert code == supervisor.EXIT_PEER_LOST, out[-3000:]  # not 134 (abort), not a signal
+    assert elapsed < TIMEOUT_S + 30
+
+    message = _check_console(out)
+    lost, step = map(int, LOST.search(message).groups())
+    assert lost == victim
+    assert step >= seen
+    if victim == 1:
+        assert f"no heartbeat for {TIMEOUT_S} s" in message
+    latest, directory = CHECKPOINT.search(message).groups()
+    assert int(latest) == committed_steps(workdir)[-1] >= 6
+    assert directory == os.path.join(workdir, "checkpoints")
+    command = message.splitlines()[2].strip()
+    assert f"--process_id={survivor}" in command and f"--workdir={workdir}" in command
+
+    crash_log = os.path.join(workdir, f"crash.p{survivor}.log")
+    assert f"JAX's own report: {crash_log}" in message
+    with open(crash_log) as f:
+        assert "Terminating process because the JAX distributed service" in f.read()
+
+    last = _last_metrics_line(workdir)  # flushed: the last line is whole
+    assert last["split"] == "train" and last["step"] >= seen
+    if victim == 1:  # process 0 writes the metrics and survived until the report
+        assert max(tensorboard_steps(workdir)) == last["step"]
+
+
+@pytest.mark.slow
+def test_the_printed_command_resumes_from_the_printed_checkpoint(tmp_path):
+    """Resume with the command of the report (the other process: its own process_id)."""
+    workdir = str(tmp_path / "run")
+    job_config = {**JOB, "num_steps": 30}
+    with LocalJob(workdir, 2, job_config, [f"--collective_timeout_s={TIMEOUT_S}"]) as job:
+        job.wait_for_step(14)
+        job.send(signal.SIGKILL, processes=[1])
+        (code,) = job.wait(timeout=TIMEOUT_S + 60, processes=[0])
+        message = _check_console(job.output(0))
+    assert code == supervisor.EXIT_PEER_LOST
+    latest = int(CHECKPOINT.search(message).group(1))
+    command = shlex.split(message.splitlines()[2])
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    commands = [command, [a.replace("--process_id=0", "--process_id=1") for a in command]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv[1:]],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv in commands
+    ]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
+    assert f"Resumed from checkpoint at step {latest}" in outs[0]
+    assert committed_steps(workdir)[-1] == job_config["num_steps"]
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_starts_ends_the_other_cleanly(tmp_path):
+    workdir = str(tmp_path / "run")
+    init_timeout_s = 5
+    start = time.monotonic()
+    with LocalJob(workdir, 2, JOB, [f"--initialization_timeout_s={init_timeout_s}"]) as job:
+        job.send(signal.SIGKILL, processes=[1])  # process 1 dies before it connects
+        (code,) = job.wait(timeout=120, processes=[0])
+        out = job.output(0)
+    elapsed = time.monotonic() - start
+    assert code == supervisor.EXIT_PEER_LOST, out[-3000:]
+    assert elapsed < 60
+    message = _check_console(out)
+    assert re.search(
+        rf"process 1 of 2 never connected to the coordinator at \S+ within {init_timeout_s} s",
+        message,
+    ), message
+    assert "No complete checkpoint yet" in message and "--process_id=0" in message
+
+
+# ------------------------------------------------------------------ diagnosis, no processes
+
+HEARTBEAT = (
+    "E1124 09:29:44.129604 31107 coordination_service.cc:1549] Use error polling to "
+    "propagate the following error to all tasks: UNAVAILABLE: The following tasks are "
+    "unhealthy (stopped sending heartbeats):\n2\n3\nThe tasks have crashed.\n"
+    "F1124 09:29:44.130076 31118 client.h:80] Terminating process because ..."
+)
+COORDINATOR_GONE = (
+    "F1124 09:33:11.767767 567 client.h:80] Terminating process because the JAX distributed "
+    "service detected fatal errors.\nAdditional GRPC error information from remote target "
+    "coordination_service while calling /xla.coordination.CoordinationService/PollForError:"
+    '\n:UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Socket closed"}'
+)
+NEVER = (
+    "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\n"
+    "RPC: /xla.coordination.CoordinationService/RegisterTask"
+)
+GLOO = (
+    "jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: Read error: "
+    "Connection reset by peer"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "connected", "process_id", "expected"),
+    [
+        (HEARTBEAT, True, 0, supervisor.Diagnosis("peer_lost", (2, 3), "heartbeat")),
+        (COORDINATOR_GONE, True, 1, supervisor.Diagnosis("peer_lost", (0,), "connection")),
+        (NEVER, False, 0, supervisor.Diagnosis("never_connected", (1, 2, 3))),
+        (NEVER, False, 2, supervisor.Diagnosis("never_connected", (0,))),
+        (GLOO, True, 1, supervisor.Diagnosis("peer_lost", (), "collective")),
+        ("Segmentation fault", True, 0, supervisor.Diagnosis("crash")),
+    ],
+    ids=["heartbeat", "coordinator", "never_0", "never_2", "gloo", "crash"],
+)
+def test_diagnosis_reads_the_childs_last_words(text, connected, process_id, expected):
+    got = supervisor.diagnose(text, connected=connected, process_id=process_id, num_processes=4)
+    assert got == expected
+
+
+def test_report_names_process_step_checkpoint_and_command(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step, committed in ((6, True), (12, True), (18, False)):
+        (checkpoints / str(step)).mkdir(parents=True)
+        if committed:
+            (checkpoints / str(step) / "commit_success.txt").write_text("ok")
+    job = supervisor.JobInfo(
+        workdir=str(tmp_path),
+        process_id=0,
+        num_processes=2,
+        coordinator_address="127.0.0.1:1234",
+        collective_timeout_s=20,
+        initialization_timeout_s=120,
+        command=["python", "-m", "train", "--workdir=/a b", "--process_id=0"],
+    )
+    diagnosis = supervisor.Diagnosis("peer_lost", (1,), "heartbeat")
+    message, code = supervisor.report(
+        job, diagnosis, step=17, child_status=-6, crash_log="/x/crash.p0.log"
+    )
+    assert code == supervisor.EXIT_PEER_LOST
+    assert message.startswith(
+        "error: lost process 1 of 2 at step 17: it sent no heartbeat for 20 s"
+    )
+    assert f"Last complete checkpoint: step 12 in {checkpoints}." in message
+    assert "  python -m train '--workdir=/a b' --process_id=0" in message.splitlines()
+    _, code = supervisor.report(
+        job, supervisor.Diagnosis("crash"), step=3, child_status=-11, crash_log=None
+    )
+    assert code == 1
