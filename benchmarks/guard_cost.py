@@ -22,16 +22,16 @@ from typing import Any
 
 from common import RESULTS, MiB, environment, write_results
 
-OPTIMIZERS = ("optax.sgd", "sgd", "adamw_r", "lion_r", "adan_r")
+OPTIMIZERS = ("optax.sgd", "sgd", "optax.adamw", "adamw_r", "optax.lion", "lion_r", "adan_r")
 GUARDS = ("none", "lean", "strict")
 
 
-def transformer_model():
+def transformer_model(vocab=8192, width=512, depth=6, tokens=64, batch=4):
+    """Tied-embedding transformer-like stack: (param shapes, loss, batch shapes)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    vocab, width, depth, tokens, batch = 8192, 512, 6, 64, 4
     shapes = {"embed": {"embedding": (vocab, width)}}
     for i in range(depth):
         shapes[f"block_{i}"] = {
@@ -59,16 +59,17 @@ def transformer_model():
     return shapes, loss, batch_shape
 
 
-def conv_model():
+def conv_model(channels=(3, 64, 64, 128, 128, 256, 256), batch=16):
+    """Conv stack on 32x32x3 images, max-pool every second layer: (shapes, loss, batch)."""
     import jax
     import jax.numpy as jnp
 
-    channels = (3, 64, 64, 128, 128, 256, 256)
     shapes = {
         f"conv_{i}": {"kernel": (3, 3, channels[i], channels[i + 1]), "bias": (channels[i + 1],)}
         for i in range(len(channels) - 1)
     }
-    shapes["head"] = {"kernel": (256 * 4 * 4, 100)}
+    side = 32 // 2 ** ((len(channels) - 1) // 2)
+    shapes["head"] = {"kernel": (channels[-1] * side * side, 100)}
 
     def loss(params, batch_):
         x = batch_["image"]
@@ -87,7 +88,7 @@ def conv_model():
         picked = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
         return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
 
-    batch_shape = {"image": ((16, 32, 32, 3), jnp.float32), "label": ((16,), jnp.int32)}
+    batch_shape = {"image": ((batch, 32, 32, 3), jnp.float32), "label": ((batch,), jnp.int32)}
     return shapes, loss, batch_shape
 
 
@@ -102,13 +103,16 @@ def optimizer(name: str):
     return {
         "optax.sgd": lambda: optax.sgd(0.1, momentum=0.9),
         "sgd": lambda: rr.optimizers.sgd(0.1, momentum=0.9),
+        "optax.adamw": lambda: optax.adamw(1e-3),
         "adamw_r": lambda: rr.adamw_r(1e-3),
+        "optax.lion": lambda: optax.lion(1e-4),
         "lion_r": lambda: rr.lion_r(1e-4),
         "adan_r": lambda: rr.adan_r(1e-3),
     }[name]()
 
 
-def compile_peak(model: str, variant: str, opt: str, guard: str) -> dict[str, Any]:
+def compile_peak(model: str, variant: str, opt: str, guard: str, **sizes: Any) -> dict[str, Any]:
+    """Compiles one case (``sizes`` override the model's defaults); its per-worker peak."""
     import jax
     import optax
     from jax.sharding import NamedSharding
@@ -116,7 +120,7 @@ def compile_peak(model: str, variant: str, opt: str, guard: str) -> dict[str, An
 
     import resireduce_jax as rr
 
-    shapes, loss, batch_shape = MODELS[model]()
+    shapes, loss, batch_shape = MODELS[model](**sizes)
     params = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, "float32"),
         shapes,
