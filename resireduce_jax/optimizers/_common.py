@@ -22,6 +22,7 @@ MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
 __all__ = [
     "MaskOrFn",
     "ScalarOrSchedule",
+    "accumulation_dtype",
     "check_beta",
     "check_max_grad_norm",
     "check_non_negative",
@@ -31,6 +32,7 @@ __all__ = [
     "global_norm",
     "is_zero_constant",
     "scalar_as",
+    "scalar_dtype",
     "value_at",
 ]
 
@@ -133,7 +135,8 @@ _NORM_CHUNK = 1 << 14  # elements per step of the CPU sum of squares
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
-    """``sum(x**2)`` of one leaf in float32, without a squared copy of the leaf on CPU.
+    """``sum(x**2)`` of one leaf in :func:`accumulation_dtype` (float32 for float32 and
+    narrower leaves, float64 for float64 leaves), without a squared copy of the leaf on CPU.
 
     XLA:CPU does not fuse an element-wise producer into a reduction: ``sum(x*x)`` (and
     ``vdot``, ``einsum``, row-wise sums) materializes the squared leaf, a temporary as
@@ -153,32 +156,55 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
     """
     flat = x.reshape(-1)
     n = flat.size
+    acc = accumulation_dtype(flat.dtype)
     if n <= _NORM_CHUNK or jax.default_backend() != "cpu":
-        return jnp.sum(jnp.square(flat.astype(jnp.float32)))
+        return jnp.sum(jnp.square(flat.astype(acc)))
     if flat.dtype == jnp.bfloat16:
         source = jax.lax.bitcast_convert_type(flat, jnp.uint16)
 
-        def as_float32(chunk: jax.Array) -> jax.Array:
+        def widen(chunk: jax.Array) -> jax.Array:
             return jax.lax.bitcast_convert_type(chunk.astype(jnp.uint32) << 16, jnp.float32)
     else:
         source = flat
 
-        def as_float32(chunk: jax.Array) -> jax.Array:
-            return chunk.astype(jnp.float32)
+        def widen(chunk: jax.Array) -> jax.Array:
+            return chunk.astype(acc)
 
     def add_chunk(i, total):
         start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
-        chunk = as_float32(jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)))
+        chunk = widen(jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)))
         unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
         return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
 
     steps = -(-n // _NORM_CHUNK)
-    return jax.lax.fori_loop(0, steps, add_chunk, jnp.zeros([], jnp.float32))
+    return jax.lax.fori_loop(0, steps, add_chunk, jnp.zeros([], acc))
+
+
+def accumulation_dtype(dtype: Any) -> jnp.dtype:
+    """``promote_types(dtype, float32)``: float32 for float32, bfloat16 and float16, float64
+    for float64 (with ``jax_enable_x64``)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def scalar_dtype(tree: PyTree) -> jnp.dtype:
+    """The dtype of an optimizer's scalars (step count as a float, bias corrections,
+    learning rate, clip factor) for the leaves of ``tree``.
+
+    float32 unless a leaf is float64 (``jax_enable_x64``), then float64: float32 and
+    low-precision parameters keep the float32 scalars they always had (bit for bit), and
+    float64 parameters get no float32 rounding in their update.
+    """
+    dtype = jnp.dtype(jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        leaf_dtype = getattr(leaf, "dtype", jnp.float32)  # Python scalars: weakly typed
+        dtype = jnp.promote_types(dtype, accumulation_dtype(leaf_dtype))
+    return dtype
 
 
 def global_norm(tree: PyTree) -> jax.Array:
-    """The L2 norm of all leaves of ``tree`` together, as a float32 scalar."""
-    total = jnp.zeros([], jnp.float32)
+    """The L2 norm of all leaves of ``tree`` together, as a scalar of
+    :func:`scalar_dtype` (float32, or float64 when a leaf is float64)."""
+    total = jnp.zeros([], scalar_dtype(tree))
     for leaf in jax.tree.leaves(tree):
         total = total + _sum_of_squares(leaf)
     return jnp.sqrt(total)

@@ -55,6 +55,11 @@ keeps a second parameter-sized buffer alive). Adan-R avoids both:
 With clipping, ``prev_grad`` holds the raw gradient and ``prev_grad_scale`` its clip
 factor, so the stored gradient is still the incoming buffer itself.
 
+**Precision.** The scalars (step count, bias corrections, learning rate, weight decay,
+clip factor) are float32 for float32 and bfloat16 parameters and float64 for float64
+parameters (``jax_enable_x64``; :func:`~resireduce_jax.optimizers._common.scalar_dtype`),
+so a float64 run matches float64 official Adan to rounding (the tests: 1e-12).
+
 See :func:`resireduce_jax.optimizers.optimizer_step` for a helper that picks the
 argument order.
 """
@@ -78,6 +83,7 @@ from resireduce_jax.optimizers._common import (
     global_norm,
     is_zero_constant,
     scalar_as,
+    scalar_dtype,
     value_at,
 )
 
@@ -94,8 +100,9 @@ class AdanRState(NamedTuple):
       exp_avg: :math:`m`, average of gradients.
       diff_carry: :math:`w = β_2 v - (1-β_2)\\tilde g_{prev}`; the official
         ``exp_avg_diff`` :math:`v` is :func:`official_diff_avg` of this state.
-      prev_grad_scale: clip factor that was applied to ``prev_grad`` (a float32 scalar), or
-        ``None`` when the optimizer does not clip.
+      prev_grad_scale: clip factor that was applied to ``prev_grad`` (a scalar of the
+        params' scalar dtype: float32, or float64 for float64 params), or ``None`` when the
+        optimizer does not clip.
     """
 
     count: jax.Array
@@ -184,7 +191,7 @@ def adan_r(
             exp_avg_sq=optax.tree.zeros_like(params),
             exp_avg=optax.tree.zeros_like(params),
             diff_carry=optax.tree.zeros_like(params),
-            prev_grad_scale=None if clip_norm is None else jnp.ones([], jnp.float32),
+            prev_grad_scale=None if clip_norm is None else jnp.ones([], scalar_dtype(params)),
         )
 
     def update_fn(
@@ -203,9 +210,12 @@ def adan_r(
             )
         first = state.count == 0
         step = optax.safe_increment(state.count)
-        k = step.astype(jnp.float32)
-        lr = jnp.asarray(value_at(learning_rate, state.count), jnp.float32)
-        decay = jnp.asarray(value_at(weight_decay, state.count), jnp.float32)
+        # Scalars in float32, or float64 for float64 params (jax_enable_x64): see
+        # _common.scalar_dtype. float32 and bfloat16 params get exactly what they always did.
+        dtype = scalar_dtype(params)
+        k = step.astype(dtype)
+        lr = jnp.asarray(value_at(learning_rate, state.count), dtype)
+        decay = jnp.asarray(value_at(weight_decay, state.count), dtype)
         # Official scalars: step_size = lr / bc1, step_size_diff = lr * b2 / bc2.
         step_m = lr / (1 - b1**k)
         step_v = lr * b2 / (1 - b2**k)
@@ -213,7 +223,7 @@ def adan_r(
         if clip_norm is None:
             scale = prev_scale = new_scale = None
         else:
-            norm = global_norm(updates).astype(jnp.float32)
+            norm = global_norm(updates).astype(dtype)
             scale = jnp.minimum(1.0, clip_norm / (norm + eps))
             prev_scale, new_scale = state.prev_grad_scale, scale
         flags = decay_flags(mask, params)
