@@ -263,9 +263,14 @@ class _Exchange:
                 new_residuals[label] = previous_shared = _where_skip(skip, stored, residual)
             else:  # "rows" / "2d"
                 (i,) = store.group.members
-                r = send(i, stores.compensate(store, stored, leaves[i]), None)
+                compensated = stores.compensate(store, stored, leaves[i])
+                norms = None
+                if store.norm_source == "compensated":  # the reference code's rows/columns
+                    norms = stores.dimension_norms(store, compensated)  # two vectors
+                    compensated = after(compensated, norms)  # read G~ before it is consumed
+                r = send(i, compensated, None)
                 key = _selection_key(self.seed, state.count, i, self.axis_name, store)
-                kept = stores.compress_residual(store, r, key)
+                kept = stores.compress_residual(store, r, key, norms)
                 new_residuals[label] = _where_skip(skip, stored, kept)
 
         for i in plan.dense:  # small leaves: plain all-reduce, no residual

@@ -45,6 +45,7 @@ INTER_MODES = ("none", "average", "weighted")
 INTRA_MODES = ("none", "rows", "2d")
 SELECTIONS = ("top", "softmax_sample")
 WEIGHT_SOURCES = ("residual", "compensated")
+NORM_SOURCES = ("residual", "compensated")
 INTRA_AUTO_SHARE = 0.10
 """``intra_layers="auto"`` picks singleton leaves holding at least this share of all
 compressed elements (VGG-19's first classifier layer, GPT-2's and BERT's word embeddings)."""
@@ -96,6 +97,7 @@ def plan_stores(
     selection: str = "top",
     phi: float = 0.5,
     weight_source: str = "residual",
+    norm_source: str = "residual",
     residual_dtype: Any = None,
 ) -> list[stores.StorePlan]:
     """Decides, from shapes only, how every group's residual is stored.
@@ -136,6 +138,7 @@ def plan_stores(
                     keep_rows=keep_rows,
                     keep_cols=keep_cols,
                     selection=selection,
+                    norm_source=norm_source,
                     **common,
                 )
             )
@@ -188,6 +191,7 @@ def resireduce(
     selection: Literal["top", "softmax_sample"] = "top",
     phi: float = 0.5,
     weight_source: Literal["residual", "compensated"] = "residual",
+    norm_source: Literal["residual", "compensated"] = "residual",
     residual_dtype: Any = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
@@ -209,7 +213,10 @@ def resireduce(
         or ``"auto"``: singleton leaves with at least ``INTRA_AUTO_SHARE`` (10 %) of all
         compressed elements.
       row_ratio: fraction of rows kept (default 0.25 for ``"rows"``, 0.5 for ``"2d"``: both
-        keep 25 % of the elements, as in the paper's Fig. 7).
+        keep 25 % of the elements, as in the paper's Fig. 7). The reference code's
+        ResiReduce-d (``dimcprs.py``) keeps all rows and half of the columns instead:
+        ``intra="2d", row_ratio=1.0, col_ratio=0.5`` (README, "Reproducing the reference
+        code").
       col_ratio: fraction of columns kept by ``"2d"``.
       selection: ``"top"`` (rows/columns of largest L1 norm, the paper) or
         ``"softmax_sample"`` (sampled without replacement with probabilities
@@ -217,6 +224,11 @@ def resireduce(
       phi: weight of the L1 term in ResiReduce-w's member weights.
       weight_source: ``"residual"`` (weights from the members' residuals, the paper) or
         ``"compensated"`` (from the compensated gradients, the reference code).
+      norm_source: what ``intra`` ranks rows and columns by: the L1 norms of the fresh
+        residual ``G~ - D(P)`` (``"residual"``, the paper's §4.3 reading) or of the
+        compensated gradient ``G~`` (``"compensated"``, the reference code's ``update``
+        in ``dimcprs.py``, ``dimcprs2d.py``, ``resireduce*.py``). Used with both
+        ``selection`` modes.
       residual_dtype: storage dtype of residuals (e.g. ``jnp.bfloat16``); default: the
         leaf's dtype. Beyond the paper.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
@@ -236,6 +248,7 @@ def resireduce(
     _check_choice("intra", intra, INTRA_MODES)
     _check_choice("selection", selection, SELECTIONS)
     _check_choice("weight_source", weight_source, WEIGHT_SOURCES)
+    _check_choice("norm_source", norm_source, NORM_SOURCES)
     if not (isinstance(phi, int | float) and 0.0 <= phi <= 1.0):
         raise ValueError(f"phi must be a number in [0, 1], got {phi!r}.")
     if row_ratio is not None:
@@ -256,6 +269,7 @@ def resireduce(
         selection=selection,
         phi=phi,
         weight_source=weight_source,
+        norm_source=norm_source,
         residual_dtype=residual_dtype,
     )
 

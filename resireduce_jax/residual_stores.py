@@ -13,7 +13,11 @@ this module implements the storage side of both (it never communicates):
 * **Intra-layer** (§4.3): a large singleton layer keeps only part of its residual, seen as
   a 2-D matrix: ``"rows"`` (ResiReduce-d) keeps the rows of largest L1 norm, ``"2d"``
   (ResiReduce-2d) the intersection of the top rows and the top columns (Fig. 7). The rest
-  of the residual is dropped.
+  of the residual is dropped. The L1 norms that rank rows and columns are those of the
+  fresh residual ``r = G~ - D(P)`` (``norm_source="residual"``, the paper's reading) or of
+  the compensated gradient ``G~`` (``norm_source="compensated"``: the reference code's
+  ``update`` in ``dimcprs.py``, ``dimcprs2d.py`` and ``resireduce*.py`` takes
+  ``torch.norm(tensor, p=1, dim=...)`` of the tensor it was handed, which is ``G~``).
 
 The 2-D view of a leaf (:func:`matrix_view`) follows PyTorch's meaning of "row" so that
 selections match the reference code: for a kernel (Flax ``Dense`` ``[in, out]``, ``Conv``
@@ -42,6 +46,7 @@ from resireduce_jax.grouping import Group
 
 __all__ = [
     "BlockResidual",
+    "DimensionNorms",
     "MatrixView",
     "RowsResidual",
     "StorePlan",
@@ -49,6 +54,7 @@ __all__ = [
     "compensate",
     "compress_residual",
     "densify",
+    "dimension_norms",
     "init_store",
     "matrix_view",
     "residual_weight",
@@ -57,6 +63,7 @@ __all__ = [
 
 Kind = Literal["none", "leaf", "average", "weighted", "rows", "2d"]
 Selection = Literal["top", "softmax_sample"]
+NormSource = Literal["residual", "compensated"]
 
 
 class MatrixView(NamedTuple):
@@ -114,6 +121,9 @@ class StorePlan:
       phi: weight of the L1 term in ResiReduce-w's weights.
       weight_source: ``"residual"`` or ``"compensated"``.
       selection: ``"top"`` or ``"softmax_sample"`` (intra kinds).
+      norm_source: what the row and column L1 norms of intra kinds are taken of:
+        ``"residual"`` (the fresh residual, the paper §4.3) or ``"compensated"`` (the
+        compensated gradient ``G~``, the reference code).
     """
 
     group: Group
@@ -125,6 +135,7 @@ class StorePlan:
     phi: float = 0.5
     weight_source: Literal["residual", "compensated"] = "residual"
     selection: Selection = "top"
+    norm_source: NormSource = "residual"
 
     @property
     def shared(self) -> bool:
@@ -234,22 +245,52 @@ def _select(norms: jax.Array, k: int, selection: Selection, key: jax.Array | Non
     return jnp.sort(idx.astype(jnp.int32))
 
 
-def compress_residual(plan: StorePlan, r: jax.Array, key: jax.Array | None) -> Any:
-    """Keeps the part of a fresh singleton residual ``r`` that ``plan`` stores (§4.3)."""
+class DimensionNorms(NamedTuple):
+    """L1 norms of the rows (and, for ``"2d"``, the columns) of a leaf's matrix view."""
+
+    rows: jax.Array  # float32[num_rows]
+    cols: jax.Array | None  # float32[num_cols], None for "rows"
+
+
+def dimension_norms(plan: StorePlan, x: jax.Array) -> DimensionNorms:
+    """L1 norms of ``x``'s rows (and columns for ``"2d"``) in ``plan``'s view (§4.3).
+
+    Accumulated in float32 or wider. The result is two vectors, never a leaf-sized buffer,
+    so the exchange can take them of ``G~`` before ``G~`` is consumed
+    (``norm_source="compensated"``).
+    """
+    view = plan.view
+    a = jnp.abs(x.reshape(view.shape2d).astype(jnp.promote_types(x.dtype, jnp.float32)))
+    rows = jnp.sum(a, axis=1 - view.row_axis)
+    cols = jnp.sum(a, axis=view.row_axis) if plan.kind == "2d" else None
+    return DimensionNorms(rows, cols)
+
+
+def compress_residual(
+    plan: StorePlan, r: jax.Array, key: jax.Array | None, norms: DimensionNorms | None = None
+) -> Any:
+    """Keeps the part of a fresh singleton residual ``r`` that ``plan`` stores (§4.3).
+
+    Args:
+      plan: an intra-layer (``"rows"`` / ``"2d"``) store plan.
+      r: the leaf's fresh residual ``G~ - D(P)``.
+      key: PRNG key for ``selection="softmax_sample"`` (else ``None``).
+      norms: the norms that rank rows and columns (:func:`dimension_norms` of ``G~`` for
+        ``norm_source="compensated"``); default: those of ``r``.
+    """
     view = plan.view
     m = r.reshape(view.shape2d)
-    a = jnp.abs(m.astype(jnp.promote_types(m.dtype, jnp.float32)))
-    row_norms = jnp.sum(a, axis=1 - view.row_axis)  # L1 norm of each row
+    if norms is None:
+        norms = dimension_norms(plan, r)
     if key is not None:
         key_rows, key_cols = jax.random.split(key)
     else:
         key_rows = key_cols = None
-    rows = _select(row_norms, plan.keep_rows, plan.selection, key_rows)
+    rows = _select(norms.rows, plan.keep_rows, plan.selection, key_rows)
     if plan.kind == "rows":
         values = m[rows, :] if view.row_axis == 0 else m[:, rows]
         return RowsResidual(rows, values.astype(plan.dtype))
-    col_norms = jnp.sum(a, axis=view.row_axis)
-    cols = _select(col_norms, plan.keep_cols, plan.selection, key_cols)
+    cols = _select(norms.cols, plan.keep_cols, plan.selection, key_cols)
     i0, i1 = _axis_indices(view, rows, cols)
     return BlockResidual(rows, cols, m[i0[:, None], i1[None, :]].astype(plan.dtype))
 

@@ -80,16 +80,20 @@ def torch_layout(path: str, x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1]).T
 
 
-def np_keep_2d(path, r, row_ratio, col_ratio):
-    """ResiReduce-2d (Fig. 7c): rows and columns of largest L1 norm; keep the intersection."""
+def np_keep_2d(path, r, row_ratio, col_ratio, ranked_by=None):
+    """ResiReduce-2d (Fig. 7c): rows and columns of largest L1 norm; keep the intersection.
+
+    ``ranked_by``: the array whose norms rank rows and columns (default ``r`` itself; the
+    reference code passes the compensated gradient)."""
     t = torch_layout(path, r)
+    n = np.abs(torch_layout(path, r if ranked_by is None else ranked_by).astype(np.float64))
     kr = max(1, int(np.floor(row_ratio * t.shape[0])))
-    rows = np.sort(np.argsort(-np.abs(t).sum(1), kind="stable")[:kr])
+    rows = np.sort(np.argsort(-n.sum(1), kind="stable")[:kr])
     if col_ratio is None:  # ResiReduce-d (Fig. 7b): whole rows
         cols = np.arange(t.shape[1])
     else:
         kc = max(1, int(np.floor(col_ratio * t.shape[1])))
-        cols = np.sort(np.argsort(-np.abs(t).sum(0), kind="stable")[:kc])
+        cols = np.sort(np.argsort(-n.sum(0), kind="stable")[:kc])
     kept = np.zeros_like(t)
     kept[np.ix_(rows, cols)] = t[np.ix_(rows, cols)]
     back = kept.T.reshape(r.shape) if not path.endswith("embedding") else kept.reshape(r.shape)
@@ -103,6 +107,7 @@ def np_resireduce(
     intra,
     intra_paths,
     weight_source="residual",
+    norm_source="residual",
     row_ratio=None,
     col_ratio=0.5,
     store_dtype=np.float32,
@@ -125,12 +130,13 @@ def np_resireduce(
             sent_sum = {p: np.zeros(params[p].shape) for p in g}
             for w in range(W):
                 r_old = stored[g[0]][w].astype(np.float32)
-                rs, weights = [], []
+                rs, comps, weights = [], [], []
                 for p in g:
                     comp = grads[p][w] + r_old
                     sent = np_topk_sent(comp)
                     sent_sum[p] += sent
                     rs.append(comp - sent)
+                    comps.append(comp)
                     source = comp if weight_source == "compensated" else rs[-1]
                     weights.append(1.0 if inter == "average" else np_weight(source))
                 if len(g) > 1:
@@ -139,7 +145,8 @@ def np_resireduce(
                     )
                     new = total / sum(weights)
                 elif intra != "none" and g[0] in intra_paths:
-                    new = np_keep_2d(g[0], rs[0], row_ratio, cols)[0]
+                    ranked_by = comps[0] if norm_source == "compensated" else None
+                    new = np_keep_2d(g[0], rs[0], row_ratio, cols, ranked_by)[0]
                 else:
                     new = rs[0]
                 stored[g[0]][w] = new.astype(store_dtype).astype(np.float32)
@@ -155,10 +162,13 @@ VARIANTS = {
     "w-compensated": dict(inter="weighted", intra="none", weight_source="compensated"),
     "rows": dict(inter="none", intra="rows"),
     "2d": dict(inter="none", intra="2d"),
+    "rows-compensated-norms": dict(inter="none", intra="rows", norm_source="compensated"),
+    "2d-compensated-norms": dict(inter="none", intra="2d", norm_source="compensated"),
     "w+2d": dict(inter="weighted", intra="2d"),
     "w+2d-bf16": dict(inter="weighted", intra="2d", residual_dtype="bfloat16"),
 }
 INTRA = "big|embed"
+INTRA_PATHS = ("big/kernel", "embed/embedding")
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +297,7 @@ def test_weight_guard_when_all_members_are_zero():
         (dict(intra="3d"), "intra='3d' is not valid"),
         (dict(selection="random"), "selection='random'"),
         (dict(weight_source="gradient"), "weight_source='gradient'"),
+        (dict(norm_source="gradient"), "norm_source='gradient'"),
         (dict(row_ratio=0.0), "row_ratio must be in"),
         (dict(col_ratio=1.5), "col_ratio must be in"),
         (dict(row_ratio=float("nan")), "row_ratio must be in"),
@@ -371,3 +382,61 @@ def test_compiled_peak_drops_by_the_residual_state_saving():
     for inter in ("average", "weighted"):
         reduced = peak(rr.resireduce(topk, inter=inter, intra="none"))
         assert baseline - reduced >= 0.8 * state_saving, (inter, baseline, reduced)
+
+
+# ------------------------------------------------------------------ norm_source (§4.3)
+
+
+def test_norm_source_changes_the_kept_rows_and_columns(grads):
+    """On this data the compensated gradient and the fresh residual rank rows and columns
+    differently, so the numpy comparisons above tell the two norm sources apart."""
+
+    def kept(norm_source):
+        tx = rr.resireduce(
+            rr.compressors.topk(DENSITY),
+            inter="none",
+            intra="2d",
+            intra_layers=INTRA,
+            norm_source=norm_source,
+            min_size=MIN_SIZE,
+        )
+        _, state = th.run_shard_map(tx, _params(), grads)
+        residuals = state.residuals
+        return {
+            p: (np.asarray(residuals[p].rows), np.asarray(residuals[p].cols)) for p in INTRA_PATHS
+        }
+
+    by_residual, by_compensated = kept("residual"), kept("compensated")
+    for path in INTRA_PATHS:
+        rows_r, cols_r = by_residual[path]
+        rows_c, cols_c = by_compensated[path]
+        assert not (np.array_equal(rows_r, rows_c) and np.array_equal(cols_r, cols_c)), path
+
+
+def test_compensated_norms_keep_no_second_leaf_sized_buffer():
+    """``norm_source="compensated"`` reads two norm vectors of G~ before G~ is consumed: the
+    compiled peak of a step with one 4 MiB 2d layer grows by far less than the leaf."""
+    width = 1024
+    params = {"big": {"kernel": np.zeros((width, width), np.float32)}}
+    mesh = rr.parallel.make_mesh(W)
+    batch = rr.parallel.shard_batch({"x": np.ones((W * 2, width), np.float32)}, mesh)
+
+    def peak(norm_source):
+        exchange = rr.resireduce(
+            rr.compressors.topk(0.01), inter="none", intra_layers="big", norm_source=norm_source
+        )
+        tx = optax.chain(exchange, optax.sgd(0.1))
+        step = rr.parallel.data_parallel_step(_mlp_loss_named("big"), tx, mesh)
+        p, s = step.init(params)
+        return hlo.peak_memory(step.lower(p, s, batch).compile()).peak
+
+    leaf = width * width * 4
+    by_residual, by_compensated = peak("residual"), peak("compensated")
+    assert by_compensated - by_residual < leaf // 4, (by_residual, by_compensated)
+
+
+def _mlp_loss_named(name):
+    def loss(params, batch):
+        return jnp.mean(jnp.tanh(batch["x"] @ params[name]["kernel"]) ** 2)
+
+    return loss
