@@ -305,17 +305,79 @@ def test_sign_payloads_match_numpy():
     np.testing.assert_allclose(p.centers, [flat[flat >= 0].mean(), flat[flat < 0].mean()], 1e-6)
 
 
+def torch_conv_matrix(x: np.ndarray) -> np.ndarray:
+    """GRACE's PowerSGD matrix of a Flax conv kernel ``[kh, kw, in, out]``: the PyTorch
+    weight ``[out, in, kh, kw]`` viewed as ``[out, in * kh * kw]``."""
+    return x.transpose(3, 2, 0, 1).reshape(x.shape[3], -1)
+
+
+def fan_in_by_out(t: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """GRACE's ``[out, in * kh * kw]`` matrix, transposed to ``[kh * kw * in, out]``."""
+    kh, kw, cin, cout = shape
+    return t.reshape(cout, cin, kh * kw).transpose(2, 1, 0).reshape(kh * kw * cin, cout)
+
+
 def test_powersgd_single_worker_is_one_power_iteration():
-    x = heavy_tailed(8, (64, 5, 8))
+    # A conv kernel [kh, kw, in, out]. The matrix is fan-in x output units, [kh*kw*in, out]
+    # (until the fix, [kh, kw*in*out]: rank clipped to kh and a payload above dense).
+    x = heavy_tailed(8, (3, 3, 16, 32))
     comp = C.powersgd(4)
     q0 = np.asarray(comp.init(jax.ShapeDtypeStruct(x.shape, x.dtype)), np.float64)
-    m = x.reshape(64, 40).astype(np.float64)
+    assert q0.shape == (32, 4)  # one row per output unit
+    # Our [kh*kw*in, out] matrix is GRACE's [out, in*kh*kw] transposed, up to the order of
+    # the fan-in entries: rebuild it from the torch layout independently of the reshape.
+    m = fan_in_by_out(torch_conv_matrix(x).astype(np.float64), x.shape)  # [144, 32]
+    np.testing.assert_array_equal(m, x.reshape(144, 32))
     basis, _ = np.linalg.qr(m @ q0)
     approx = basis @ basis.T @ m  # P Q^T with Q = M^T P; independent of column signs
     p = single(comp, x)
-    assert p.p.shape == (64, 4) and p.q.shape == (40, 4)
+    assert p.p.shape == (144, 4) and p.q.shape == (32, 4)
     np.testing.assert_allclose(p.p.T @ p.p, np.eye(4), atol=1e-5)
     np.testing.assert_allclose(p.p @ p.q.T, approx, rtol=1e-4, atol=1e-4)
+    decompressed = comp.decompress(p, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    np.testing.assert_allclose(decompressed, approx.reshape(x.shape), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "shape", [(3, 3, 64, 128), (3, 3, 3, 64), (1, 1, 256, 64), (7, 7, 3, 64), (3, 3, 512, 512)]
+)
+def test_powersgd_conv_payload_is_fan_in_plus_out_times_rank(shape):
+    kh, kw, cin, cout = shape
+    rank = 4
+    dense = kh * kw * cin * cout * 4
+    payload = C.powersgd(rank).payload_bytes(shape, jnp.float32)
+    assert payload == (kh * kw * cin + cout) * 4 * rank
+    assert payload < dense / 4
+
+
+def test_powersgd_conv_kernel_exchange_bytes_and_mean():
+    """GRACE's example kernel [3, 3, 64, 128] at rank 4: 11,264 B per worker on the wire,
+    and the mean is PowerSGD on the [576, 128] fan-in x output-units matrix."""
+    shape, rank = (3, 3, 64, 128), 4
+    comp = C.powersgd(rank)
+    like = jax.ShapeDtypeStruct(shape, jnp.float32)
+    assert comp.payload_bytes(shape, jnp.float32) == 11_264
+
+    def body(x, q):
+        red = comp.reduce(x[0], q[0], None, AXIS)
+        return red.mean[None], red.state[None]
+
+    m = mesh()
+    sharding = NamedSharding(m, P(AXIS))
+    fn = jax.jit(jax.shard_map(body, mesh=m, in_specs=P(AXIS), out_specs=P(AXIS)))
+    xs = heavy_tailed(9, (W, *shape))
+    q0 = np.asarray(comp.init(like))
+    qs = np.broadcast_to(q0, (W, *q0.shape))
+    compiled = fn.lower(jax.device_put(xs, sharding), jax.device_put(qs, sharding)).compile()
+    assert sum(c.bytes_per_worker for c in collectives(compiled)) == 11_264
+    mean, _ = jax.device_get(fn(jax.device_put(xs, sharding), jax.device_put(qs, sharding)))
+    # numpy: GRACE's torch-layout matrices, transposed back to [kh*kw*in, out].
+    ms = [fan_in_by_out(torch_conv_matrix(x).astype(np.float64), shape) for x in xs]
+    p = np.linalg.qr(np.mean([mw @ q0 for mw in ms], axis=0))[0]
+    q = np.mean([mw.T @ p for mw in ms], axis=0)
+    for w in range(W):
+        np.testing.assert_array_equal(mean[w], mean[0])
+    np.testing.assert_allclose(mean[0].reshape(576, 128), p @ q.T, rtol=2e-4, atol=2e-4)
 
 
 # -------------------------------------------------------------------- unbiasedness

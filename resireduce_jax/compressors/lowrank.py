@@ -57,11 +57,18 @@ class PowerSGD(Compressor):
     """PowerSGD (Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization", NeurIPS 2019, Algorithm 1 with warm start, §3).
 
-    The leaf is viewed as a matrix ``M`` of shape ``[shape[0], prod(shape[1:])]`` (a Flax
-    ``Dense`` kernel ``[in, out]`` as is; a conv kernel ``[h, w, in, out]`` as
-    ``[h, w * in * out]`` — reshape or transpose the leaf yourself if another matricization
-    suits the layer better). With ``r = min(rank, rows, cols)`` and the compressor state
-    ``Q`` (``[cols, r]``, identical on all workers), one step is::
+    The leaf is viewed as a matrix ``M`` of shape ``[prod(shape[:-1]), shape[-1]]``: fan-in
+    by output units, a Flax ``Dense`` kernel ``[in, out]`` as is and a ``Conv`` kernel
+    ``[kh, kw, in, out]`` as ``[kh * kw * in, out]``, which is the transpose of the
+    ``[out, in * kh * kw]`` view PyTorch implementations use (GRACE, Vogels et al.'s code)
+    up to the order of the fan-in entries, so the matrix approximated at rank ``r`` and the
+    payload bytes are theirs (rank 4 on ``[3, 3, 64, 128]``: ``(576 + 128) * 4 * 4 = 11,264`` B).
+    This is the kernel view of :func:`resireduce_jax.residual_stores.matrix_view` (an
+    embedding table ``[vocab, features]`` is the same matrix there). Leaves of another
+    layout (e.g. a ``DenseGeneral`` kernel ``[in, heads, head_dim]``, whose output units
+    are the last two axes) should be reshaped by the caller. With
+    ``r = min(rank, rows, cols)`` and the compressor state ``Q`` (``[cols, r]``, identical
+    on all workers), one step is::
 
         P = M Q;        P = mean_w P     # all-reduce of rows * r entries
         P = orthonormalize(P)
@@ -97,8 +104,8 @@ class PowerSGD(Compressor):
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
 
     def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
-        """``(rows, cols, r)`` of the matrix view of a leaf of ``shape``."""
-        rows, cols = shape[0], math.prod(shape[1:])
+        """``(rows, cols, r)`` of the matrix view ``[prod(shape[:-1]), shape[-1]]``."""
+        rows, cols = math.prod(shape[:-1]), shape[-1]
         return rows, cols, min(self.rank, rows, cols)
 
     def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:
