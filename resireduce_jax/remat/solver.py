@@ -15,33 +15,44 @@ The dynamic program is the persistent one of Beaumont et al. (§4, Theorem 1 and
 Algorithm 1), written for what JAX executes and what XLA reports:
 
 ``C(m, s, t)`` is the least time to process the segment ``[s, t)`` (its forward, then its
-backward down to ``δ_s``) in ``m`` bytes, given that ``x_s`` and ``δ_t`` are held by the
-caller and that the parameter gradients of stages ``>= t`` are already written. Sizes:
+backward down to ``δ_s``) in ``m`` bytes, given that ``x_s`` is held by the caller,
+that ``δ_t`` is counted in ``m`` until the backward of stage ``t - 1`` frees it (the
+paper's accounting: ``ω_δ`` of the segment's output is part of ``m`` in ``C_BP``), and
+that the parameter gradients of stages ``>= t`` are already written. Sizes:
 ``a_i = |x_i|`` (and ``|δ_i|``), ``x̄_s`` what stage ``s`` keeps with full history
 (including ``x_{s+1}``), ``o_f``/``o_b`` forward/backward overheads, ``G_i`` the gradient
 bytes of stages ``>= i``; times ``u_f``/``u_b``, and ``u_r`` for computing only what a
-stage keeps for its backward pass.
+stage keeps for its backward pass. Two memory terms recur: ``F_all`` of stage ``s`` inside
+``[s, t)`` needs ``fa(s, t) = a_t + G_t + x̄_s + o_f(s)``, and its backward ``B`` (reading
+``δ_{s+1}`` and ``x̄_s``, writing ``δ_s`` and its gradient) needs
+``b(s) = x̄_s + a_{s+1} + a_s + G_s + o_b(s)``.
 
-* one stage (``t = s + 1``): ``u_f + u_b`` if
-  ``m >= max(G_t + x̄_s + o_f(s), x̄_s + a_s + G_s + o_b(s))``;
-* "all" (stage ``s`` unwrapped, then ``[s+1, t)`` with ``x̄_s`` less memory):
-  ``u_f(s) + u_b(s) + C(m - x̄_s, s + 1, t)``, if
-  ``m >= max(G_t + x̄_s + o_f(s), x̄_s + a_{s+1} + a_s + G_s + o_b(s))``;
-* "leaf j" (``s < j < t``; checkpoint ``[s, j)``, then ``[j, t)`` holding ``x_j``, then the
-  recomputation of ``[s, j)`` holding ``δ_j``):
-  ``Σ_{k=s}^{j-1} u_f(k) + C(m - a_j, j, t) + C(m - a_j, s, j) - u_f(j-1) + u_r(j-1)``,
-  if ``m >= G_t + max_{s<=k<j} (a_k [k > s] + a_{k+1} + o_f(k))``. The recomputation of
-  ``[s, j)`` never needs ``x_j`` (it exists), and JAX prunes what only stage ``j - 1``'s
-  output needs (all of a linear layer, say), hence ``u_r`` instead of ``u_f`` there.
+* one stage (``t = s + 1``): ``u_f + u_b`` if ``m >= max(fa(s, t), b(s))``;
+* "all" (``F_all`` of stage ``s``, then ``[s+1, t)`` with ``x̄_s`` less memory, then
+  ``B`` of ``s`` once ``δ_t`` is freed): ``u_f(s) + u_b(s) + C(m - x̄_s, s + 1, t)``, if
+  ``m >= max(fa(s, t), b(s))``;
+* "leaf j" (``s < j < t``; ``F_ck``/``F_n`` sweep of ``[s, j)`` keeping only ``x_j``,
+  then ``[j, t)`` holding ``x_j``, whose backward frees ``x_j`` and ``δ_t`` and leaves
+  ``δ_j``, then the recomputation of ``[s, j)``):
+  ``Σ_{k=s}^{j-1} u_f(k) + C(m - a_j, j, t) + C(m, s, j) - u_f(j-1) + u_r(j-1)``,
+  if ``m >= a_t + G_t + max_{s<=k<j} (a_k [k > s] + a_{k+1} + o_f(k))`` (the sweep). The
+  recomputation of ``[s, j)`` never needs ``x_j`` (it exists), and JAX prunes what only
+  stage ``j - 1``'s output needs (all of a linear layer, say), hence ``u_r`` instead of
+  ``u_f`` there.
+
+Freeing ``δ_t`` after its backward is what XLA does with the executor's programs: on
+chains whose cotangents differ in size from stage to stage, the compiled peak follows
+this accounting and not one that holds ``δ_t`` through the whole segment
+(``docs/remat.md``, "Memory accounting"; ``benchmarks/remat.py --accounting``).
 
 Unlike the paper's model, parameter gradients count from the moment they are written:
 ``memory_analysis()`` reports arguments + outputs + temporaries, but XLA places
 temporaries in output buffers that are not written yet, so the figure follows the live
-bytes, gradients included as they appear. Parameters, the chain input and the output
-cotangent are held throughout. Memory is discretised in ``slots`` slots (sizes rounded
-up, so predictions stay upper bounds of the model); the table is computed with numpy,
-vectorised over the memory axis and over all segments of one length: ``O(L³ · slots)``
-work.
+bytes, gradients included as they appear. Parameters and the chain input are held
+throughout; the output cotangent ``δ_L`` is the ``δ_t`` of the whole chain. Memory is
+discretised in ``slots`` slots (sizes rounded up, so predictions stay upper bounds of the
+model); the table is computed with numpy, vectorised over the memory axis and over all
+segments of one length: ``O(L³ · slots)`` work.
 
 References:
   Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
@@ -217,7 +228,12 @@ class Plan:
 
 
 class _Model:
-    """The rotor memory/time model in some unit (bytes, or integer slots)."""
+    """The rotor memory/time model in some unit (bytes, or integer slots).
+
+    Memory of a segment ``[s, t)`` is counted beyond ``x_s`` (held by the caller) and
+    includes ``δ_t``, which the backward of stage ``t - 1`` frees (Beaumont et al., §4: the
+    segment's output cotangent is part of the memory ``m`` of ``C_BP``).
+    """
 
     def __init__(self, costs: ChainCosts, unit: float | None):
         def conv(values):
@@ -238,49 +254,53 @@ class _Model:
         self.bw = np.asarray(costs.backward_time, dtype=np.float64)
         n = len(self.fw)
         self.n = n
+        # sweep_peak[s, j]: max over k in [s, j) of x_k [k > s] + x_{k+1} + o_f(k), the
+        # peak of a forward sweep of [s, j) that keeps nothing (F_ck then F_n).
+        step = self.a[:n] + self.a[1:] + self.tf
+        self.sweep_peak = np.zeros((n + 1, n + 1), dtype=step.dtype)
+        for s in range(n):
+            first = self.a[s + 1] + self.tf[s]  # x_s is the caller's
+            self.sweep_peak[s, s + 1 :] = np.maximum.accumulate(
+                np.concatenate([[first], step[s + 1 :]])
+            )
 
-    def stage_step(self, s: int) -> Any:
-        """Memory to run stage s with full history then its backward, δ_{s+1} held outside."""
-        return max(
-            self.G[s + 1] + self.xbar[s] + self.tf[s],
-            self.xbar[s] + self.a[s] + self.G[s] + self.tb[s],
-        )
+    def stage_forward(self, s: int, t: int) -> Any:
+        """``F_all`` of stage s inside [s, t): ``δ_t`` and ``G_t`` live, writes ``x̄_s``."""
+        return self.a[t] + self.G[t] + self.xbar[s] + self.tf[s]
 
-    def all_step(self, s: int, t: int) -> Any:
-        """Memory of the "all" step at s inside [s, t) (excluding the rest of the segment)."""
-        return max(
-            self.G[t] + self.xbar[s] + self.tf[s],
-            self.xbar[s] + self.a[s + 1] + self.a[s] + self.G[s] + self.tb[s],
-        )
+    def stage_backward(self, s: int) -> Any:
+        """``B`` of stage s: reads ``δ_{s+1}`` and ``x̄_s``, writes ``δ_s`` and its gradient."""
+        return self.xbar[s] + self.a[s + 1] + self.a[s] + self.G[s] + self.tb[s]
 
-    def forward_sweep(self, s: int, j: int, t: int) -> Any:
-        """Memory of running stages [s, j) without saving, inside [s, t)."""
-        k = np.arange(s, j)
-        held_input = np.where(k > s, self.a[k], 0)
-        return self.G[t] + np.max(held_input + self.a[k + 1] + self.tf[k])
+    def sweep(self, s: int, j: int, t: int) -> Any:
+        """Forward sweep of [s, j) that keeps nothing, inside [s, t) (``δ_t``, ``G_t`` live)."""
+        return self.a[t] + self.G[t] + self.sweep_peak[s, j]
 
     def need(self, items: Sequence[PlanItem], t: int) -> Any:
-        """Memory the items covering [s, t) need, beyond x_s and δ_t (held by the caller)."""
+        """Memory the items covering [s, t) need beyond ``x_s``, ``δ_t`` included."""
         first, rest = items[0], items[1:]
         if isinstance(first, RunStage):
             s = first.index
+            here = max(self.stage_forward(s, t), self.stage_backward(s))
             if not rest:
-                return self.stage_step(s)
-            return max(self.all_step(s, t), self.xbar[s] + self.need(rest, t))
+                return here
+            return max(here, self.xbar[s] + self.need(rest, t))
         s, j = first.start, first.end
-        sweep = self.forward_sweep(s, j, t)
-        if not rest:
+        sweep = self.sweep(s, j, t)
+        if not rest:  # never produced by the dynamic program; baselines end this way
             return max(sweep, self.need(first.body, j))
-        return max(sweep, self.a[j] + self.need(rest, t), self.a[j] + self.need(first.body, j))
+        # [j, t) holds x_j; its backward frees x_j and δ_t and leaves δ_j for the body.
+        return max(sweep, self.a[j] + self.need(rest, t), self.need(first.body, j))
 
 
 def _held_bytes(costs: ChainCosts) -> int:
     """Bytes held for the whole gradient computation outside the dynamic program.
 
-    The parameters and the chain input are arguments; the output cotangent ``δ_L`` is
-    counted at the size of ``x_L``. Gradients are counted as they are written (``G``).
+    The parameters and the chain input are arguments. The output cotangent ``δ_L`` (at the
+    size of ``x_L``) is counted by the dynamic program, as ``δ_t`` of the whole chain, and
+    gradients as they are written (``G``).
     """
-    return int(costs.param_bytes.sum() + costs.activation_bytes[0] + costs.activation_bytes[-1])
+    return int(costs.param_bytes.sum() + costs.activation_bytes[0])
 
 
 def predict(plan: Plan, costs: ChainCosts) -> tuple[float, int]:
@@ -418,52 +438,51 @@ class RotorTable:
         # Only entries [length, start <= n - length] are written and read.
         cost = np.empty((n + 1, n + 1, size))
         by_start = np.empty((n + 1, n + 1, size))  # C(m - a_s, s, s + length)
-        by_end = np.empty((n + 1, n + 1, size))  # C(m - a_t, s, t = s + length)
         choice = np.empty((n + 1, n + 1, size), dtype=np.int32)
         fw_cum = np.concatenate([[0.0], np.cumsum(fw)])
         # The recomputation of [s, j) does not need x_j: stage j-1 redoes only its residuals.
         pruned = fw - md.res
+        stage_backward = np.array([md.stage_backward(s) for s in range(n)])
 
         def store(d, starts, rows, picks):
-            ends = starts + d
             cost[d, starts] = rows
             choice[d, starts] = picks
             by_start[d, starts] = _shift_rows(rows, a[starts])
-            by_end[d, starts] = _shift_rows(rows, a[ends])
 
         starts = np.arange(n)
-        single_need = np.array([md.stage_step(s) for s in range(n)])
-        rows = np.where(mem[None, :] >= single_need[:, None], (fw + bw)[:, None], inf)
+        single = np.maximum([md.stage_forward(s, s + 1) for s in starts], stage_backward)
+        rows = np.where(mem[None, :] >= single[:, None], (fw + bw)[:, None], inf)
         store(1, starts, rows, np.where(np.isfinite(rows), 0, -1))
 
         for d in range(2, n + 1):
             ns = n - d + 1
             starts = np.arange(ns)
-            # "leaf j" for j = s + k, k = 1..d-1: C(m - a_j, j, s + d) + C(m - a_j, s, j),
-            # a running minimum over k on contiguous (start, m) planes.
+            ends = starts + d
+            # "leaf j" for j = s + k, k = 1..d-1: C(m - a_j, j, s + d) + C(m, s, j) if the
+            # sweep of [s, j) fits; a running minimum over k on contiguous (start, m) planes.
             best_cost = np.full((ns, size), inf)
             best = np.zeros((ns, size), dtype=np.int32)
             candidate = np.empty((ns, size))
             for k in range(1, d):
-                np.add(by_start[d - k, k : k + ns], by_end[k, :ns], out=candidate)
+                np.add(by_start[d - k, k : k + ns], cost[k, :ns], out=candidate)
                 candidate += (fw_cum[k : k + ns] - fw_cum[:ns] - pruned[k - 1 : k - 1 + ns])[
                     :, None
                 ]
+                sweep = a[ends] + md.G[ends] + md.sweep_peak[starts, starts + k]
+                np.copyto(candidate, inf, where=mem[None, :] < sweep[:, None])
                 better = candidate < best_cost
                 np.copyto(best_cost, candidate, where=better)
                 best[better] = k
             # "all": stage s unwrapped, then [s + 1, s + d) with x̄_s less memory.
             rows = _shift_rows(cost[d - 1, 1 : ns + 1], xbar[starts]) + (fw + bw)[:ns, None]
-            all_need = np.array([md.all_step(s, s + d) for s in starts])
+            forward = a[ends] + md.G[ends] + xbar[:ns] + md.tf[:ns]
+            all_need = np.maximum(forward, stage_backward[:ns])
             rows[mem[None, :] < all_need[:, None]] = inf
             take_leaf = best_cost < rows
             picks = np.where(take_leaf, best + starts[:, None], 0)
             rows = np.where(take_leaf, best_cost, rows)
             picks[~np.isfinite(rows)] = -1
             store(d, starts, rows, picks)
-        # The forward sweep of a checkpointed segment [s, j) never needs more than its own
-        # recomputation with δ_j held (a_j + need([s, j)) >= G_t + sweep(s, j)), so the
-        # sweep constraint of "leaf j" is implied by the finiteness of C(m - a_j, s, j).
         self._cost = cost
         self._choice = choice
 
@@ -482,8 +501,9 @@ class RotorTable:
                 m -= int(md.xbar[s])
                 s += 1
             else:
-                m -= int(md.a[j])
+                # The body runs once [j, t) is done: x_j and δ_t are freed by then.
                 items.append(Checkpoint(s, j, self._items(s, j, m)))
+                m -= int(md.a[j])
                 s = j
 
     @property
