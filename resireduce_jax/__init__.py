@@ -3,6 +3,8 @@
 * Compressed gradient exchange with error feedback, and ResiReduce's reduced residuals:
   :func:`compressed_mean`, :func:`error_feedback`, :func:`resireduce`, with
   :mod:`compressors` and :mod:`grouping`.
+* Deep Gradient Compression's memory (momentum correction, local clipping, momentum
+  factor masking): :func:`dgc_memory`, :func:`deep_gradient_compression`.
 * The data-parallel step under ``jax.shard_map``: :mod:`parallel`.
 * Reading compiled programs (collectives, copies, peak memory): :mod:`hlo`.
 * Memory-reduced optimizers AdamW-R, Adan-R, Lion-R: :mod:`optimizers`.
@@ -12,6 +14,7 @@
 
 from resireduce_jax import (
     compressors,
+    dgc,
     exchange,
     grouping,
     hlo,
@@ -24,6 +27,7 @@ from resireduce_jax import (
     runtime,
     tree_paths,
 )
+from resireduce_jax.dgc import DGCState, deep_gradient_compression, dgc_memory
 from resireduce_jax.exchange import ExchangeState, ExchangeTransformation
 from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from resireduce_jax.optimizers import adamw_r, adan_r, lion_r, optimizer_step
@@ -33,6 +37,7 @@ from resireduce_jax.transforms import compressed_mean, error_feedback
 __version__ = "0.1.0"
 
 __all__ = [
+    "DGCState",
     "ExchangeState",
     "ExchangeTransformation",
     "SkipNonFiniteState",
@@ -40,6 +45,9 @@ __all__ = [
     "adan_r",
     "compressed_mean",
     "compressors",
+    "deep_gradient_compression",
+    "dgc",
+    "dgc_memory",
     "error_feedback",
     "exchange",
     "grouping",

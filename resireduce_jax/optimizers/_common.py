@@ -177,7 +177,10 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
         return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
 
     steps = -(-n // _NORM_CHUNK)
-    return jax.lax.fori_loop(0, steps, add_chunk, jnp.zeros([], acc))
+    # zeros_like keeps the leaf's varying-ness over a shard_map axis (a worker's local
+    # gradient: DGC's clipping), as the loop carry must.
+    total = jnp.zeros_like(source, dtype=acc, shape=())
+    return jax.lax.fori_loop(0, steps, add_chunk, total)
 
 
 def accumulation_dtype(dtype: Any) -> jnp.dtype:

@@ -1,0 +1,388 @@
+r"""Deep Gradient Compression's own memory: momentum correction, local clipping, masking.
+
+Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+Distributed Training", ICLR 2018. The sparsifying *selection* of DGC is a compressor
+(:class:`~resireduce_jax.compressors.sparse.DGC`); this module is the rest of the method,
+the per-worker memory that replaces plain error feedback (GRACE's ``dgc`` memory does the
+same). Per worker :math:`k` and step :math:`t`, with :math:`g` the worker's local gradient:
+
+1. **Local gradient clipping** (§3.2, "Local Gradient Clipping"). Clipping by the global
+   L2 norm (Pascanu et al. 2013) is normally applied to the aggregated gradient; DGC
+   accumulates gradients on each node, so it clips each node's gradient *before* it is
+   added to the accumulation, with the threshold scaled by :math:`N^{-1/2}` ("the current
+   node's fraction of the global threshold if all N nodes had identical gradient
+   distributions"): :math:`g \leftarrow g\cdot\min(1, (c/\sqrt N)/\lVert g\rVert_2)`, the
+   norm taken over all leaves of the worker's gradient.
+2. **Momentum correction** (§3.2, "Momentum Correction"): the velocity, not the
+   gradient, is accumulated, :math:`u \leftarrow m\,u + g`, :math:`v \leftarrow v + u`.
+3. **Sparsification and exchange** (§3.1, Algorithm 1): :math:`v` is compressed (Top-k,
+   DGC's sampled threshold, ...), the sparse payloads are all-gathered and averaged over
+   the data axis (the compressors' own exchange, bit-identical on every worker), and the
+   mean :math:`\frac1N\sum_k \mathrm{sparse}(v_k)` is the update.
+4. **Momentum factor masking** (§3.3, "Momentum Factor Masking"): at the positions that
+   were sent, both :math:`v` (what was sent leaves the accumulation) and :math:`u` (stale
+   momentum is not carried on) are set to zero.
+
+Since momentum is applied *before* compression, the optimizer after this transform must
+be plain SGD **without** momentum: :math:`w \leftarrow w - η\cdot\mathrm{update}` (DGC §3.2:
+:math:`w_{t+1} = w_t - η\sum_k \mathrm{sparse}(v_{k,t})`).
+:func:`deep_gradient_compression` builds that chain. Adding momentum (or Adam) after
+it would apply momentum twice.
+
+Leaves that are not compressed (``ndim <= 1`` or fewer than ``min_size`` elements, the
+rule of :func:`~resireduce_jax.error_feedback`) travel dense (``pmean``) and get ordinary
+heavy-ball momentum on the mean, :math:`u \leftarrow m\,u + \overline{g}`, with ``u``
+replicated: with nothing left unsent, per-worker velocities would all be sent at once and
+masking would clear the momentum every step, and the mean of per-worker momenta equals
+the momentum of the mean (the update is linear), so one replicated buffer suffices.
+
+**Combination with ResiReduce's reduced residuals** — not offered, by design:
+
+* Shared groups (ResiReduce-a/-w) keep one residual for several same-shaped leaves. DGC's
+  memory is two leaf-sized buffers per leaf, and neither can be shared. Momentum
+  correction needs the per-element history of *this* leaf's gradients in :math:`u`;
+  a shared :math:`u` would be a momentum of the sum of several layers' gradients, applied
+  to each of them. A shared :math:`v` would mix velocities: what layer A did not send
+  would be sent as layer B's update (error feedback's residual sharing rests on residuals
+  being similar and small; velocities carry the momentum-amplified gradient itself), and
+  momentum factor masking would have to zero the shared buffer at the union of the
+  members' sent positions, discarding other members' unsent velocity.
+* Intra-layer stores (ResiReduce-d/-2d) keep only the top rows/columns of a residual.
+  :math:`u` is the optimizer's momentum: dropping rows of it changes the optimizer, not
+  just the unsent error. Keeping only rows of :math:`v` would drop accumulated velocity
+  that DGC's staleness analysis (§3.3) assumes is sent later, and would save at most half
+  of DGC's two buffers.
+
+So :func:`dgc_memory` keeps ``u`` and ``v`` per compressed leaf and has no ``grouping``;
+use :func:`~resireduce_jax.resireduce` (error feedback without momentum correction) with
+any optimizer for reduced residuals.
+
+State: :class:`DGCState`. Its per-worker leaves (``momentum``, ``velocity`` and
+per-worker compressor state) get a leading worker axis sharded on the data axis under
+:func:`resireduce_jax.parallel.data_parallel_step`, like an exchange state's residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from resireduce_jax import nonfinite
+from resireduce_jax.compressors.base import (
+    Compressor,
+    axis_size,
+    check_axis_bound,
+    dense_mean,
+)
+from resireduce_jax.compressors.sparse import DGC, FastTopK, RandomK, SparsePayload, Threshold, TopK
+from resireduce_jax.exchange import DEFAULT_MIN_SIZE, leaf_key
+from resireduce_jax.optimizers import sgd
+from resireduce_jax.optimizers._common import ScalarOrSchedule, clip_factor, global_norm
+from resireduce_jax.transforms import check_compressor, check_min_size
+from resireduce_jax.tree_paths import is_compressible, leaf_paths, validate_float_leaves
+
+PyTree = Any
+
+__all__ = ["DGCState", "deep_gradient_compression", "dgc_memory"]
+
+_SPARSE = (TopK, RandomK, FastTopK, Threshold, DGC)
+
+
+class DGCState(NamedTuple):
+    """State of :func:`dgc_memory`.
+
+    Attributes:
+      count: number of updates so far (int32); drives the per-step PRNG keys of randomized
+        compressors. Not advanced by a skipped step.
+      momentum: ``u`` per compressed leaf (DGC §3.2), params' structure with
+        ``optax.MaskedNode()`` at dense leaves. Per worker.
+      velocity: ``v`` per compressed leaf, the accumulated momentum-corrected gradient not
+        sent yet; same structure. Per worker.
+      dense_momentum: heavy-ball momentum of the dense (uncompressed) leaves' mean,
+        ``optax.MaskedNode()`` at compressed leaves. Replicated.
+      compressor_state: per-leaf compressor state (``()`` for the sparse compressors
+        here), ``optax.MaskedNode()`` at dense leaves.
+    """
+
+    count: jax.Array
+    momentum: PyTree
+    velocity: PyTree
+    dense_momentum: PyTree
+    compressor_state: PyTree
+
+
+# Skipped steps keep u, v, the dense momentum, count and compressor state bit for bit.
+nonfinite.register_skip_aware(DGCState)
+
+
+def _check_momentum(momentum: Any) -> float:
+    try:
+        value = float(momentum)
+    except (TypeError, ValueError):
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}.") from None
+    if not 0.0 <= value < 1.0:  # also rejects NaN
+        raise ValueError(
+            f"momentum must be in [0, 1), got {momentum!r}: it is DGC's momentum factor m "
+            "in u <- m*u + g (the paper uses 0.9); 0 disables momentum correction."
+        )
+    return value
+
+
+def _check_clip_norm(clip_norm: Any) -> float | None:
+    if clip_norm is None:
+        return None
+    try:
+        value = float(clip_norm)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"clip_norm must be a positive number or None, got {clip_norm!r}."
+        ) from None
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(
+            f"clip_norm must be a positive finite number or None, got {clip_norm!r}: it is "
+            "the global gradient-norm threshold c; each worker clips its local gradient to "
+            "c / sqrt(num_workers) (DGC §3.2). Pass None to disable clipping."
+        )
+    return value
+
+
+def _check_sparse(compressor: Any) -> Compressor:
+    compressor = check_compressor(compressor)
+    if not isinstance(compressor, _SPARSE):
+        raise ValueError(
+            f"dgc_memory needs a sparsifying compressor (topk, fast_topk, randomk, threshold "
+            f"or dgc), got '{compressor.name}': momentum factor masking zeroes u and v at "
+            "the positions that were sent, which only a sparse payload defines. Use "
+            "error_feedback or resireduce for other compressors."
+        )
+    if isinstance(compressor, RandomK) and compressor.scaled:
+        raise ValueError(
+            "dgc_memory cannot use randomk(scaled=True): it sends size*v_i where the memory "
+            "holds v_i, so clearing v at the sent positions would not conserve what was "
+            "accumulated. Use randomk(scaled=False)."
+        )
+    return compressor
+
+
+def _where(skip: jax.Array | None, if_skipped: PyTree, otherwise: PyTree) -> PyTree:
+    if skip is None:
+        return otherwise
+    return jax.tree.map(lambda a, b: jnp.where(skip, a, b), if_skipped, otherwise)
+
+
+def _zero_at(x: jax.Array, indices: jax.Array) -> jax.Array:
+    """``x`` with the flat ``indices`` set to zero (indices ``>= x.size`` are dropped)."""
+    flat = x.ravel().at[indices].set(0, mode="drop", unique_indices=True)
+    return flat.reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DGCMemory:
+    compressor: Compressor
+    momentum: float
+    clip_norm: float | None
+    axis_name: str
+    min_size: int
+    seed: int
+
+    def compressed(self, tree: PyTree) -> list[bool]:
+        return [is_compressible(x, self.min_size) for x in jax.tree.leaves(tree)]
+
+    def init(self, params: PyTree) -> DGCState:
+        validate_float_leaves(params, "dgc_memory")
+        leaves, treedef = jax.tree.flatten(params)
+        paths = leaf_paths(params)
+        masked = optax.MaskedNode()
+        us, vs, dense, cstates = [], [], [], []
+        for path, x, sparse in zip(paths, leaves, self.compressed(params), strict=True):
+            like = jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+            if sparse:
+                self.compressor.validate(path, like)
+                us.append(jnp.zeros(like.shape, like.dtype))
+                vs.append(jnp.zeros(like.shape, like.dtype))
+                dense.append(masked)
+                cstates.append(self.compressor.init(like))
+            else:
+                us.append(masked)
+                vs.append(masked)
+                dense.append(jnp.zeros(like.shape, like.dtype))
+                cstates.append(masked)
+        return DGCState(
+            count=jnp.zeros([], jnp.int32),
+            momentum=treedef.unflatten(us),
+            velocity=treedef.unflatten(vs),
+            dense_momentum=treedef.unflatten(dense),
+            compressor_state=treedef.unflatten(cstates),
+        )
+
+    def update(
+        self,
+        updates: PyTree,
+        state: DGCState,
+        params: PyTree | None = None,
+        *,
+        skip: jax.Array | None = None,
+        **extra_args: Any,
+    ) -> tuple[PyTree, DGCState]:
+        """One DGC step. ``skip``: optional boolean scalar, equal on every worker.
+
+        On a skipped step the output is zero and every state leaf (``u``, ``v``, dense
+        momentum, count, compressor state) is returned unchanged bit for bit; the
+        collectives still run (their shapes are static) on the unchanged ``v``.
+        """
+        del params, extra_args
+        check_axis_bound(self.axis_name)
+        leaves, treedef = jax.tree.flatten(updates)
+        us = treedef.flatten_up_to(state.momentum)
+        vs = treedef.flatten_up_to(state.velocity)
+        dense_us = treedef.flatten_up_to(state.dense_momentum)
+        cstates = treedef.flatten_up_to(state.compressor_state)
+        m = self.momentum
+
+        factor = None
+        if self.clip_norm is not None:  # §3.2: local threshold c / sqrt(N)
+            local_threshold = self.clip_norm / math.sqrt(axis_size(self.axis_name))
+            factor = clip_factor(global_norm(updates), local_threshold)
+
+        out: list[Any] = []
+        new_us, new_vs, new_dense, new_cstates = list(us), list(vs), list(dense_us), list(cstates)
+        for i, (g, sparse) in enumerate(zip(leaves, self.compressed(updates), strict=True)):
+            if factor is not None:
+                g = g * factor.astype(g.dtype)
+            if not sparse:  # dense leaf: heavy-ball momentum on the exchanged mean
+                u = m * dense_us[i] + dense_mean(g, self.axis_name)
+                new_dense[i] = u = _where(skip, dense_us[i], u)
+                out.append(_where(skip, jnp.zeros((), u.dtype), u))
+                continue
+            # Momentum correction (§3.2): accumulate velocity, not gradient.
+            u = _where(skip, us[i], m * us[i] + g)
+            v = _where(skip, vs[i], vs[i] + u)
+            key = leaf_key(self.seed, state.count, i, self.compressor, self.axis_name)
+            like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            payload, cstate = self.compressor.compress(v, cstates[i], key)
+            if not isinstance(payload, SparsePayload):  # guarded by _check_sparse
+                raise TypeError(f"{self.compressor.name} did not produce a sparse payload.")
+            mean = self.compressor.aggregate(payload, like, self.axis_name)
+            # Momentum factor masking (§3.3): zero v and u where sent. For v this is the
+            # compressors' residual hook, v - D(P): the payload values are v's own entries,
+            # so sent entries become exactly 0; subtracting them (rather than writing
+            # zeros) orders the in-place write after compression read v, as in
+            # Compressor.reduce (measured: one copy of v per leaf otherwise). On a skipped
+            # step the hook returns v unchanged and nothing is masked in u.
+            v, payload = lax.optimization_barrier((v, payload))
+            new_vs[i] = self.compressor.residual(v, payload, skip)
+            sent = payload.indices
+            if skip is not None:  # out-of-range indices are dropped
+                sent = jnp.where(skip, jnp.int32(v.size), sent)
+            new_us[i] = _zero_at(u, sent)
+            new_cstates[i] = _where(skip, cstates[i], cstate)
+            out.append(_where(skip, jnp.zeros((), mean.dtype), mean))
+
+        count = optax.safe_int32_increment(state.count)
+        new_state = DGCState(
+            count=_where(skip, state.count, count),
+            momentum=treedef.unflatten(new_us),
+            velocity=treedef.unflatten(new_vs),
+            dense_momentum=treedef.unflatten(new_dense),
+            compressor_state=treedef.unflatten(new_cstates),
+        )
+        return treedef.unflatten(out), new_state
+
+
+def dgc_memory(
+    compressor: Compressor,
+    momentum: float = 0.9,
+    clip_norm: float | None = None,
+    axis_name: str = "data",
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """DGC's memory as the first transform of an optax chain (Lin et al., ICLR 2018, §3).
+
+    Per worker and compressed leaf (module docstring for the paper's reasoning)::
+
+        g <- g * min(1, (clip_norm / sqrt(N)) / ||g||)   # §3.2 local clipping (all leaves)
+        u <- momentum * u + g                            # §3.2 momentum correction
+        v <- v + u
+        P  = Q(v)                                        # §3.1 sparsify (Top-k, DGC, ...)
+        out = mean_w D(P_w)                              # all-gather + scatter-add
+        u[sent], v[sent] <- 0                            # §3.3 momentum factor masking
+
+    Dense leaves (``ndim <= 1`` or fewer than ``min_size`` elements): the clipped gradient
+    is averaged (``pmean``) and ``out = u <- momentum * u + mean`` (plain momentum).
+
+    The output already carries momentum: follow it with plain SGD **without** momentum
+    (``rr.optimizers.sgd(lr)`` or ``optax.sgd(lr)``), or use
+    :func:`deep_gradient_compression`. Weight decay, if wanted inside the momentum as in
+    PyTorch's SGD, goes before it: ``optax.chain(optax.add_decayed_weights(wd),
+    dgc_memory(...), sgd(lr))``.
+
+    Not combinable with ResiReduce's shared or intra-layer residuals: momentum correction
+    needs each leaf's own ``u``, and a shared ``v`` would mix layers' velocities (module
+    docstring).
+
+    Args:
+      compressor: a sparsifying compressor (``topk``, ``fast_topk``, ``randomk`` unscaled,
+        ``threshold`` or ``dgc``) from :mod:`resireduce_jax.compressors`.
+      momentum: DGC's momentum factor ``m`` in [0, 1) (paper: 0.9); 0 is DGC without
+        momentum correction (then ``u = g`` and this is error feedback with masking).
+      clip_norm: the global gradient-norm threshold ``c``, or ``None`` for no clipping.
+        Each worker scales its local gradient so that its L2 norm (over all leaves) is at
+        most ``c / sqrt(num_workers)`` (§3.2).
+      axis_name: the mapped axis of the data-parallel workers.
+      min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
+      seed: seed of the per-step keys of randomized compressors (``dgc``'s sample).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`DGCState`.
+      ``update`` must run where ``axis_name`` is bound (``jax.shard_map``/``jax.pmap``;
+      :func:`resireduce_jax.parallel.data_parallel_step`) and takes an optional ``skip``
+      (:func:`resireduce_jax.skip_nonfinite`): zero output, every state leaf unchanged.
+
+    Raises:
+      ValueError: for a non-sparse or scaled random-k compressor, ``momentum`` outside
+        [0, 1), a non-positive ``clip_norm``, a negative ``min_size``; at ``init``, for
+        non-float leaves.
+    """
+    core = _DGCMemory(
+        compressor=_check_sparse(compressor),
+        momentum=_check_momentum(momentum),
+        clip_norm=_check_clip_norm(clip_norm),
+        axis_name=axis_name,
+        min_size=check_min_size(min_size),
+        seed=seed,
+    )
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def deep_gradient_compression(
+    compressor: Compressor,
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.9,
+    clip_norm: float | None = None,
+    axis_name: str = "data",
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """DGC's whole optimizer: :func:`dgc_memory` followed by SGD without momentum.
+
+    ``w <- w - learning_rate * mean_w sparse(v_w)`` (DGC §3.2). The SGD is
+    :func:`resireduce_jax.optimizers.sgd` (skip-aware), so the chain can be wrapped in
+    :func:`resireduce_jax.skip_nonfinite` without copying any state. Arguments as in
+    :func:`dgc_memory`; ``learning_rate`` is a float or an optax schedule. Warm-up
+    training (§3.3: exponentially increasing sparsity) is a matter of the compressor's
+    density and is not built in.
+    """
+    return optax.chain(
+        dgc_memory(compressor, momentum, clip_norm, axis_name, min_size=min_size, seed=seed),
+        sgd(learning_rate),
+    )
