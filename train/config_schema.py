@@ -86,6 +86,13 @@ def base_config() -> ml_collections.ConfigDict:
     # a fraction of the no-remat peak ("0.6", "60%") or a size ("2GiB"); "" = off.
     c.remat.budget = ""
 
+    c.memory = ml_collections.ConfigDict()
+    # Fit the run into a per-worker memory budget ("12GiB", "8 GB", bytes; None = no
+    # planning): before training, the planner (train/memory_plan.py) compiles the step with
+    # each residual variant (EF, w+2d, w+2d+bf16), optimizer (optax's, memory-reduced) and
+    # remat plan, and trains the fastest whose compiled peak fits.
+    c.memory.budget = config_dict.placeholder(str)
+
     c.log_every = 10
     c.eval_every = 100
     c.checkpoint_every = 100
@@ -223,6 +230,18 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             parse_budget(budget_value(c.remat.budget))
         except ValueError as error:
             raise ConfigError(f"remat.budget={c.remat.budget!r}: {error}") from None
+    if c.memory.budget is not None:
+        from resireduce_jax.planner import parse_budget
+
+        try:
+            parse_budget(c.memory.budget)
+        except ValueError as error:
+            raise ConfigError(f"memory.budget={c.memory.budget!r}: {error}") from None
+        _check(
+            not c.remat.budget,
+            f"memory.budget={c.memory.budget!r} plans activation checkpointing itself; unset "
+            f"remat.budget={c.remat.budget!r} (or memory.budget).",
+        )
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
 
 

@@ -149,11 +149,30 @@ def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, to
     return optax.join_schedules([ramp, after], [warmup])
 
 
+#: ``optimizer.name = "optax.adamw"``: optax's own optimizer even where the registry maps the
+#: plain name to this library's equivalent (``adamw``, ``sgd``); the memory planner's
+#: "original optimizer" candidates (train/memory_plan.py).
+OPTAX_PREFIX = "optax."
+_OPTAX_ALIAS_MODULE = "optax._src.alias"
+
+
+def _optimizer_factory(name: str):
+    """``optax.NAME``: optax's alias ``NAME``; any other name: the library's registry."""
+    if not name.startswith(OPTAX_PREFIX):
+        return optimizer_factory(name)
+    alias = name.removeprefix(OPTAX_PREFIX)
+    factory = getattr(optax, alias, None)
+    if alias.startswith("_") or getattr(factory, "__module__", "") != _OPTAX_ALIAS_MODULE:
+        raise ValueError(f"optax has no optimizer {alias!r} (e.g. 'optax.adamw', 'optax.sgd').")
+    return factory
+
+
 def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.GradientTransformation:
     """The optimizer ``optimizer.name``: one of ours (``adamw_r``, ...) or an optax optimizer.
 
     Looked up in the library's registry
-    (:func:`resireduce_jax.optimizers.registry.optimizer_factory`).
+    (:func:`resireduce_jax.optimizers.registry.optimizer_factory`); ``optax.NAME`` is
+    optax's own ``NAME`` (``optax.adamw`` rather than the registry's ``adamw``).
     ``optimizer.weight_decay`` goes to the optimizer's own ``weight_decay`` argument when
     it has one (decoupled, AdamW-style), else it is added as L2 to the gradients before the
     optimizer, like torch.optim.SGD's weight_decay. ``optimizer.max_grad_norm`` clips the
@@ -161,7 +180,7 @@ def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.Gradie
     """
     o = config.optimizer
     try:
-        factory = optimizer_factory(o.name)
+        factory = _optimizer_factory(o.name)
     except ValueError as e:
         raise ValueError(f"optimizer.name={o.name!r}: {e}") from None
     kwargs = config_schema.free_form(o.kwargs)

@@ -92,6 +92,12 @@ def _define_flags() -> None:
         f"message, the last checkpoint, the resume command, exit status "
         f"{supervisor.EXIT_PEER_LOST}) instead of JAX's abort (train/supervisor.py).",
     )
+    flags.DEFINE_bool(
+        "plan_only",
+        False,
+        "With --config.memory.budget=SIZE: print the memory planner's table of compiled "
+        "candidates, write memory_plan.json to the workdir and exit without training.",
+    )
 
 
 # ------------------------------------------------------------------ help and user errors
@@ -265,6 +271,12 @@ def run(argv) -> None:
 
     from train import train  # imports jax lazily, after the XLA flags are set
 
+    if FLAGS.plan_only:
+        from train import memory_plan
+
+        with _user_errors():  # no budget, or none fits: one line
+            memory_plan.plan_only(config, workdir)
+        sys.exit(0)
     if supervisor.in_child():
         train.STEP_CALLBACKS.append(supervisor.notify_step)
     with _user_errors(), supervisor.peer_failures():  # user mistakes; a lost peer

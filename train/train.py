@@ -37,6 +37,7 @@ from train import (
     config_schema,
     factory,
     input_pipeline,
+    memory_plan,
     remat_model,
     residual_analysis,
     tasks,
@@ -96,10 +97,14 @@ class Run:
     remat_choice: rr.remat.RematChoice | None = None
 
 
-def build_run(config: ml_collections.ConfigDict) -> Run:
+def build_run(
+    config: ml_collections.ConfigDict,
+    remat: tuple[remat_model.SequentialModel, rr.remat.RematChoice] | None = None,
+) -> Run:
     """Validates ``config`` and builds dataset, model, mesh and optax chain.
 
-    Every config mistake surfaces here, before anything is compiled.
+    Every config mistake surfaces here, before anything is compiled. ``remat``: a model
+    already planned (by ``memory.budget``, :mod:`train.memory_plan`) and its report.
     """
     config_schema.validate(
         config, known_models=models.MODELS, known_datasets=input_pipeline.DATASETS
@@ -110,7 +115,10 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     )
     task = tasks.make_task(model_config.build(), model_config, dataset.task)
     remat_choice = None
-    if config.remat.budget:
+    if remat is not None:
+        model, remat_choice = remat
+        task = dataclasses.replace(task, model=model)
+    elif config.remat.budget:
         example = dataset.train_batch(0, config.batch_size_per_worker, 0, 1)
         model, remat_choice = remat_model.plan_sequential_model(
             config.model.name,
@@ -351,7 +359,10 @@ def train_and_evaluate(
       A :class:`RunSummary` with the final step, last eval and train metrics, the number
       of skipped (non-finite) steps, whether SIGTERM stopped the run, and the memory report.
     """
-    run = build_run(config)
+    remat = None
+    if config.memory.budget is not None:  # the fastest configuration that fits, first
+        config, remat = memory_plan.plan_for_training(config, workdir)
+    run = build_run(config, remat)
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     if is_main:
