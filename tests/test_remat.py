@@ -144,6 +144,40 @@ def test_chain_errors_are_clear():
         remat.measure_chain([], [], jnp.ones(2))
 
 
+def test_tied_weight_is_one_argument_and_one_gradient():
+    """An embedding table that the first and last stages both hold (GPT-2's ``wte``)."""
+    rng = np.random.default_rng(4)
+    vocab, d = 96, 16
+    table = normal(rng, vocab, d)
+
+    def embed(p, tokens):
+        return p["wte"][tokens]
+
+    def head(p, h):
+        return h @ p["wte"].T
+
+    stages = [embed, dense_tanh, head]
+    block = {"w": normal(rng, d, d), "b": normal(rng, d)}
+    tokens = jnp.asarray(rng.integers(0, vocab, (8, 12)), jnp.int32)
+    tied = [{"wte": table}, block, {"wte": table}]
+    untied = [{"wte": table}, block, {"wte": jnp.array(table)}]  # a copy: another leaf
+    table_bytes = vocab * d * F32
+
+    costs = remat.measure_chain(stages, tied, tokens)
+    # Held once (at the embedding); its gradient is first written by the head's backward.
+    np.testing.assert_array_equal(costs.param_bytes, [table_bytes, (d * d + d) * F32, 0])
+    np.testing.assert_array_equal(costs.grad_bytes, [0, (d * d + d) * F32, table_bytes])
+    untied_costs = remat.measure_chain(stages, untied, tokens)
+    assert untied_costs.param_bytes.sum() - costs.param_bytes.sum() == table_bytes
+
+    for plan in (Plan.unwrapped(3), baselines.every_stage(3)):
+        one = remat.compile_gradient(stages, plan, tied, tokens)
+        two = remat.compile_gradient(stages, plan, untied, tokens)
+        assert two.memory.argument - one.memory.argument == table_bytes
+        # One gradient fewer (and one 8-byte entry fewer in the output tuple's table).
+        assert 0 <= two.memory.output - one.memory.output - table_bytes <= 8
+
+
 # --------------------------------------------------------------- gradients and counts
 
 

@@ -62,17 +62,40 @@ def tree_bytes(tree: Any) -> int:
     return sum(_leaf_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def _grad_bytes(tree: Any) -> int:
-    """Bytes of the gradient of a pytree: its floating-point leaves only."""
-    return sum(
-        _leaf_bytes(leaf)
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact)
-    )
-
-
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _is_array(leaf: Any) -> bool:
+    """An array or an abstract one: a leaf whose identity can mark a tied weight."""
+    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _shared_bytes(params: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage parameter and gradient bytes, a leaf that several stages hold counted once.
+
+    Tied weights (GPT-2's ``wte`` in its embedding and its head) are the same leaf object in
+    both stages' params: the compiled gradient takes it once and sums the uses' gradients.
+    Its bytes count at the first stage that holds it, its gradient's at the last one,
+    whose backward writes it first.
+    """
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, p in enumerate(params):
+        for leaf in jax.tree.leaves(p):
+            if _is_array(leaf):
+                first.setdefault(id(leaf), i)
+                last[id(leaf)] = i
+    param_bytes = np.zeros(len(params), dtype=np.int64)
+    grad_bytes = np.zeros(len(params), dtype=np.int64)
+    for i, p in enumerate(params):
+        for leaf in jax.tree.leaves(p):
+            shared = _is_array(leaf)
+            if not shared or first[id(leaf)] == i:
+                param_bytes[i] += _leaf_bytes(leaf)
+            if jnp.issubdtype(leaf.dtype, jnp.inexact) and (not shared or last[id(leaf)] == i):
+                grad_bytes[i] += _leaf_bytes(leaf)
+    return param_bytes, grad_bytes
 
 
 def chain_shapes(stages: Sequence[Stage], params: Sequence[Any], x: Any) -> list[Any]:
@@ -124,8 +147,10 @@ class ChainCosts:
       forward_temp_bytes: ``[L]``, compiled temporaries of the stage's forward program.
       backward_temp_bytes: ``[L]``, memory the stage's backward needs beyond ``x̄_i``: the
         compiled temporaries of its forward + backward program minus ``x̄_i`` (at least 0).
-      param_bytes: ``[L]``, size of each stage's parameters.
-      grad_bytes: ``[L]``, size of each stage's parameter gradient (floating leaves).
+      param_bytes: ``[L]``, size of each stage's parameters; a leaf several stages hold
+        (tied weights) counts at the first of them.
+      grad_bytes: ``[L]``, size of each stage's parameter gradient (floating leaves); a
+        tied leaf's counts at the last stage holding it, whose backward writes it first.
       forward_time: ``[L]``, forward cost ``u_f`` (FLOPs or seconds, see ``time_unit``).
       backward_time: ``[L]``, backward cost ``u_b`` without the forward.
       residual_time: ``[L]``, cost of computing only what the backward pass keeps (the
@@ -489,7 +514,8 @@ def measure_chain(
 
     Args:
       stages: ``L`` pure functions ``(p_i, x_i) -> x_{i+1}``.
-      params: ``L`` parameter pytrees (arrays or ``ShapeDtypeStruct``s).
+      params: ``L`` parameter pytrees (arrays or ``ShapeDtypeStruct``s). A leaf object
+        that several stages hold is a tied weight, counted once.
       x: the chain input (arrays or ``ShapeDtypeStruct``s); may be any pytree (e.g. an
         activation together with a PRNG key).
       wrt_input: whether the gradient is also taken w.r.t. the chain input ``x_0``
@@ -543,13 +569,14 @@ def measure_chain(
             concrete_x = jax.jit(stage)(p, concrete_x)
 
     activation = np.array([tree_bytes(s) for s in shapes], dtype=np.int64)
+    param_bytes, grad_bytes = _shared_bytes(params)
     return ChainCosts(
         activation_bytes=activation,
         saved_bytes=np.array([r.saved for r in results], dtype=np.int64),
         forward_temp_bytes=np.array([r.forward_temp for r in results], dtype=np.int64),
         backward_temp_bytes=np.array([r.backward_temp for r in results], dtype=np.int64),
-        param_bytes=np.array([tree_bytes(p) for p in params], dtype=np.int64),
-        grad_bytes=np.array([_grad_bytes(p) for p in params], dtype=np.int64),
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
         forward_time=np.array([r.forward_time for r in results], dtype=np.float64),
         backward_time=np.array([r.backward_time for r in results], dtype=np.float64),
         residual_time=np.array([r.residual_time for r in results], dtype=np.float64),

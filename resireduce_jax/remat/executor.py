@@ -269,6 +269,39 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def _tied(params: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[Any]], tuple[Any, ...]]]:
+    """The distinct leaves of per-stage params, and the map from them back to the stages.
+
+    A leaf object that several stages hold (tied weights, e.g. GPT-2's ``wte`` from
+    :meth:`resireduce_jax.remat.zoo.ModelChain.chain_variables`) is one leaf: the compiled
+    program takes it once and its gradient sums every use, as in the model.
+    """
+    distinct: list[Any] = []
+    index: dict[int, int] = {}
+    layout = []
+    for p in params:
+        leaves, treedef = jax.tree.flatten(p)
+        positions = []
+        for leaf in leaves:
+            shared = isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+            if not shared or id(leaf) not in index:
+                if shared:
+                    index[id(leaf)] = len(distinct)
+                positions.append(len(distinct))
+                distinct.append(leaf)
+            else:
+                positions.append(index[id(leaf)])
+        layout.append((treedef, positions))
+
+    def rebuild(values: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(
+            jax.tree.unflatten(treedef, [values[k] for k in positions])
+            for treedef, positions in layout
+        )
+
+    return distinct, rebuild
+
+
 def compile_gradient(
     stages: Sequence[Stage],
     plan: Plan,
@@ -284,7 +317,8 @@ def compile_gradient(
     Args:
       stages: the stage functions.
       plan: the :class:`Plan` to follow.
-      params: per-stage params (arrays or ``ShapeDtypeStruct``s).
+      params: per-stage params (arrays or ``ShapeDtypeStruct``s). A leaf object that
+        several stages hold is a tied weight: one argument, one summed gradient.
       x: chain input (arrays or ``ShapeDtypeStruct``s).
       loss: maps the chain output to a scalar; defaults to :func:`sum_of_outputs`.
       wrt_input: also differentiate w.r.t. ``x``.
@@ -299,8 +333,11 @@ def compile_gradient(
     """
     chain_shapes(stages, params, x)  # clear errors for a malformed chain
     fn = apply_plan(stages, plan, sequence_backward=sequence_backward)
-    program = gradient_program(fn, loss, wrt_input, sequence_backward)
-    compiled = program.lower(_abstract(tuple(params)), _abstract(x)).compile()
+    leaves, rebuild = _tied(params)
+    program = gradient_program(
+        lambda leaves, x: fn(rebuild(leaves), x), loss, wrt_input, sequence_backward
+    )
+    compiled = program.lower(_abstract(leaves), _abstract(x)).compile()
     text = compiled.as_text()
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list):
