@@ -236,3 +236,61 @@ def test_report_names_process_step_checkpoint_and_command(tmp_path):
         job, supervisor.Diagnosis("crash"), step=3, child_status=-11, crash_log=None
     )
     assert code == 1
+
+
+# ------------------------------------------------------------------ the parent, no JAX child
+
+FAKE_CHILD = """
+import os, sys, time
+fd = int(os.environ["RR_SUPERVISOR_FD"])
+os.write(fd, b"ready\\nstep 6\\nstep 7\\n")
+sys.stderr.write("train: 50%|#####     | 7/14 [00:01<00:01]")
+sys.stderr.flush()
+if sys.argv[1] == "abort":
+    sys.stderr.write(sys.argv[2])
+    sys.stderr.flush()
+    os.abort()
+open(os.path.join(os.environ["FAKE_CHILD_DIR"], "started"), "w").close()
+time.sleep(60)
+"""
+SUPERVISE = """
+import sys
+from train import supervisor
+job = supervisor.JobInfo(sys.argv[1], 0, 4, "127.0.0.1:1", 7, 9, ["train", "--process_id=0"])
+sys.exit(supervisor.supervise(job, [sys.executable, "-c", sys.argv[2], *sys.argv[3:]]))
+"""
+
+
+def _supervised(tmp_path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SUPERVISE, str(tmp_path), FAKE_CHILD, *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, FAKE_CHILD_DIR=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_parent_moves_the_abort_to_the_crash_log_and_reports(tmp_path):
+    proc = _supervised(tmp_path, "abort", HEARTBEAT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == supervisor.EXIT_PEER_LOST, err
+    assert err.startswith("train: 50%|#####     | 7/14 [00:01<00:01]\nerror: lost process")
+    assert "processes 2 and 3 of 4 at step 7: it sent no heartbeat for 7 s" in err
+    assert "F1124" not in err and "coordination_service" not in err
+    with open(tmp_path / "crash.p0.log") as f:
+        crash = f.read()
+    assert HEARTBEAT in crash
+
+
+def test_parent_forwards_sigterm_and_ends_like_its_child(tmp_path):
+    proc = _supervised(tmp_path, "sleep")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(tmp_path / "started") and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the child runs: the parent forwards from then on
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, err
+    assert "error:" not in err
+    assert not os.path.exists(tmp_path / "crash.p0.log")

@@ -134,9 +134,7 @@ def diagnose(text: str, *, connected: bool, process_id: int, num_processes: int)
             return Diagnosis("peer_lost", tuple(lost), "heartbeat")
     if process_id != 0 and _COORDINATOR_GONE.search(text):
         return Diagnosis("peer_lost", (0,), "connection")
-    if not connected:
-        return Diagnosis("never_connected", () if process_id else tuple(range(1, num_processes)))
-    if _PEER_CONNECTION.search(text):
+    if connected and _PEER_CONNECTION.search(text):
         return Diagnosis("peer_lost", (), "collective")
     return Diagnosis("crash")
 
@@ -392,7 +390,14 @@ def supervise(job: JobInfo, child_command: Sequence[str]) -> int:
     progress.start()
     # SIGTERM (preemption) goes to the child, which checkpoints and exits 0. Ctrl-C
     # reaches the child from the terminal (same process group); we wait for its end.
-    forward = lambda signum, frame: child.poll() is None and child.send_signal(signum)
+    forwarded: set[int] = set()
+
+    def forward(signum: int, frame: object) -> None:
+        del frame
+        if child.poll() is None:
+            forwarded.add(signum)
+            child.send_signal(signum)
+
     handlers = {signal.SIGTERM: forward, signal.SIGINT: lambda signum, frame: None}
     previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
     try:
@@ -404,6 +409,9 @@ def supervise(job: JobInfo, child_command: Sequence[str]) -> int:
     progress.join(timeout=10)
     if status in (0, 2):  # done, preempted, or a user error (already printed)
         return status
+    if -status in forwarded:  # our SIGTERM ended the child before it could checkpoint:
+        signal.signal(-status, signal.SIG_DFL)  # end the same way, as if unsupervised
+        os.kill(os.getpid(), -status)
     if status == 1 and not relay.crash_started and not _PEER_CONNECTION.search(relay.text()):
         return status  # a Python error: its traceback is already printed
     diagnosis = diagnose(
