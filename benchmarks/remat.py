@@ -1,7 +1,8 @@
 """Memory-vs-compute frontier of rotor checkpointing against the classic schedules.
 
-For ResNet-50 (CIFAR), GPT-2 small and ViT-S/16, built as chains of the model zoo's blocks
-(:func:`resireduce_jax.remat.zoo.sequential_layers`), this compiles the training gradient
+For ResNet-50 (CIFAR), GPT-2 small and ViT-S/16, as the chains the models give
+(:func:`resireduce_jax.remat.zoo.model_chain`, GPT-2's head tied to its embedding), on the
+models' own variables, this compiles the training gradient
 (``jax.value_and_grad`` of a cross-entropy loss w.r.t. the parameters, BatchNorm statistics
 updated, dropout on) under
 
@@ -17,16 +18,24 @@ Every point is a compiled program: peak = argument + output − alias + temp byt
 overhead = FLOPs / FLOPs without checkpointing − 1. Nothing is executed, so the sizes are
 the real models at reduced batch; compilation on a 2-core CPU dominates the run time.
 
+``--accounting`` checks the solver's memory accounting against XLA on small chains whose
+activations alternate between narrow and wide (so that cotangents differ in size): for
+sampled plans, the compiled peak beside the model peak with ``δ_t`` freed after the
+backward that reads it (rotor's accounting, the solver's) and with ``δ_t`` held through
+the whole segment (the solver's accounting before), about 2 minutes.
+
 Writes ``benchmarks/results/remat.json``, ``remat.md`` and ``remat.png``.
 
     python benchmarks/remat.py                      # all three models (about 36 min)
     python benchmarks/remat.py --models gpt2_small --update   # redo one model in place
+    python benchmarks/remat.py --accounting        # redo the accounting check only
     python benchmarks/remat.py --from-json          # re-render remat.md / remat.png only
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -44,9 +53,17 @@ from common import RESULTS, fill_prose  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from resireduce_jax.models import get_config  # noqa: E402
-from resireduce_jax.remat import ChainCosts, RotorSequential, RotorTable, baselines  # noqa: E402
-from resireduce_jax.remat.solver import Checkpoint, Plan, RunStage  # noqa: E402
-from resireduce_jax.remat.zoo import sequential_layers  # noqa: E402
+from resireduce_jax.remat import (  # noqa: E402
+    ChainCosts,
+    RotorSequential,
+    RotorTable,
+    baselines,
+    compile_gradient,
+    measure_chain,
+    predict,
+)
+from resireduce_jax.remat.solver import Checkpoint, Plan, PlanItem, RunStage  # noqa: E402
+from resireduce_jax.remat.zoo import model_chain  # noqa: E402
 
 MIB = 2.0**20
 OVERHEAD_TOLERANCE = 5e-4  # FLOPs overheads closer than 0.05 points count as equal
@@ -66,13 +83,24 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def build_planner(name: str, batch: int, overrides: dict, slots: int):
+    """The planner of the model's chain, on the model's own (abstract) variables.
+
+    Variables come from the monolithic model's ``init`` mapped to the chain
+    (:meth:`ModelChain.chain_variables`), so tied weights (GPT-2's ``wte``, embedding and
+    head) are one leaf that both stages hold: one argument and one gradient.
+    """
     config = get_config(name, **overrides)
     example = config.example_batch(batch)
     inputs = example[config.input_names[0]]
     labels = jnp.zeros(example[config.target_names[0]].shape, jnp.int32)
-    model = RotorSequential(sequential_layers(name, **overrides))
-    variables = jax.eval_shape(
-        lambda key: model.init(key, jnp.zeros(inputs.shape, inputs.dtype)), jax.random.key(0)
+    chain = model_chain(name, **overrides)
+    model = RotorSequential(chain.layers)
+    monolithic = config.build()
+    variables = chain.chain_variables(
+        jax.eval_shape(
+            lambda key: monolithic.init(key, jnp.zeros(inputs.shape, inputs.dtype), train=False),
+            jax.random.key(0),
+        )
     )
     mutable = ["batch_stats"] if "batch_stats" in variables else False
     start = time.perf_counter()
@@ -247,6 +275,7 @@ def run_model(name: str, rotor_plans: int, slots: int) -> dict:
             ]
     return {
         "model": name,
+        "delta_accounting": "freed",
         "batch": setting["batch"],
         "overrides": setting["overrides"],
         "stages": n,
@@ -293,6 +322,195 @@ def solver_speed(stages: int = 100, slots: int = 500) -> dict:
         "seconds": min(times),
         "candidates": len(table.candidates()),
     }
+
+
+# ------------------------------------------------------------ memory accounting check
+
+
+def held_delta_peak(plan: Plan, costs: ChainCosts) -> float:
+    """Model peak of ``plan`` if ``δ_t`` stayed alive through the whole segment ``[s, t)``.
+
+    The solver's accounting before it followed rotor's (Beaumont et al., §4): the caller
+    of a segment holds its output cotangent until the segment is done, so the
+    recomputation of a checkpointed ``[s, j)`` runs beside ``δ_j`` *and* ``δ_t``, and the
+    chain's ``δ_L`` is held from start to end. Other terms are the solver's.
+    """
+    a, xbar = costs.activation_bytes, costs.saved_bytes
+    o_f, o_b = costs.forward_temp_bytes, costs.backward_temp_bytes
+    grads = np.concatenate([np.cumsum(costs.grad_bytes[::-1])[::-1], [0]])
+
+    def sweep(s: int, j: int) -> float:
+        return max((a[k] if k > s else 0) + a[k + 1] + o_f[k] for k in range(s, j))
+
+    def need(items: tuple[PlanItem, ...], t: int) -> float:
+        """Beyond ``x_s`` and ``δ_t``, both held by the caller."""
+        first, rest = items[0], items[1:]
+        if isinstance(first, RunStage):
+            s = first.index
+            backward = xbar[s] + a[s] + grads[s] + o_b[s]
+            if not rest:
+                return max(grads[t] + xbar[s] + o_f[s], backward)
+            return max(grads[t] + xbar[s] + o_f[s], backward + a[s + 1], xbar[s] + need(rest, t))
+        s, j = first.start, first.end
+        if not rest:
+            return max(grads[t] + sweep(s, j), need(first.body, j))
+        return max(grads[t] + sweep(s, j), a[j] + need(rest, t), a[j] + need(first.body, j))
+
+    n = plan.num_stages
+    return float(costs.param_bytes.sum() + a[0] + a[n] + need(plan.items, n))
+
+
+def _all_plans(start: int, end: int):
+    """Every plan of ``[start, end)`` the dynamic program can express."""
+    if end == start + 1:
+        yield (RunStage(start),)
+        return
+    for rest in _all_plans(start + 1, end):
+        yield (RunStage(start), *rest)
+    for j in range(start + 1, end):
+        for body in _all_plans(start, j):
+            for rest in _all_plans(j, end):
+                yield (Checkpoint(start, j, body), *rest)
+
+
+def _tanh_layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _linear_layer(p, x):
+    return x @ p["w"]
+
+
+def _gelu_block(p, x):
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+# Six stages each (394 plans); batch 256. A width of 1024 makes x_i and δ_i 1 MiB, 64 makes
+# them 64 KiB: which cotangent a model holds decides its peak.
+ACCOUNTING_CHAINS = {
+    "tanh, narrow-wide": ([64, 1024, 64, 1024, 64, 1024, 64], "tttttt"),
+    "tanh, wide-narrow": ([1024, 64, 1024, 64, 1024, 64, 1024], "tttttt"),
+    "linear/tanh, narrow-wide": ([64, 1024, 64, 1024, 64, 1024, 64], "ltltlt"),
+    "tanh/GELU block": ([64, 256, 256, 512, 512, 64, 64], "tgtgtg"),
+}
+
+
+def _accounting_chain(widths: list[int], kinds: str, batch: int = 256):
+    f32 = jnp.float32
+    stages, params = [], []
+    for (d, e), kind in zip(itertools.pairwise(widths), kinds, strict=True):
+        if kind == "g":
+            stages.append(_gelu_block)
+            params.append(
+                {
+                    "w1": jax.ShapeDtypeStruct((d, 4 * d), f32),
+                    "w2": jax.ShapeDtypeStruct((4 * d, d), f32),
+                }
+            )
+        elif kind == "l":
+            stages.append(_linear_layer)
+            params.append({"w": jax.ShapeDtypeStruct((d, e), f32)})
+        else:
+            stages.append(_tanh_layer)
+            params.append(
+                {"w": jax.ShapeDtypeStruct((d, e), f32), "b": jax.ShapeDtypeStruct((e,), f32)}
+            )
+    return stages, params, jax.ShapeDtypeStruct((batch, widths[0]), f32)
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks with ties averaged (for Spearman's correlation)."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values))
+    for value in np.unique(values):
+        tied = values == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.corrcoef(_ranks(x), _ranks(y))[0, 1])
+
+
+def accounting_check(plans_per_chain: int = 40, seed: int = 0) -> list[dict]:
+    """Compiled peaks of sampled plans against both accountings of ``δ``, per chain.
+
+    Per chain: Spearman's rank correlation of the compiled peak with each model peak,
+    their mean absolute error, and the least-squares slope of ``compiled − freed`` on
+    ``held − freed`` (the bytes of ``δ`` the held accounting adds at its peak): 1 if XLA
+    kept those cotangents alive, 0 if it freed them.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, (widths, kinds) in ACCOUNTING_CHAINS.items():
+        stages, params, x = _accounting_chain(widths, kinds)
+        n = len(stages)
+        costs = measure_chain(stages, params, x)
+        every = [Plan(items, n) for items in _all_plans(0, n)]
+        picked = rng.choice(len(every), size=min(plans_per_chain, len(every)), replace=False)
+        plans = [every[i] for i in sorted(picked)]
+        plans += [baselines.no_remat(n), baselines.every_stage(n), baselines.recursive_halving(n)]
+        rows = []
+        for plan in tqdm(list(dict.fromkeys(plans)), desc=f"accounting: {name}"):
+            compiled = compile_gradient(stages, plan, params, x)
+            rows.append(
+                {
+                    "plan": plan.compact(),
+                    "compiled_bytes": compiled.peak,
+                    "freed_bytes": predict(plan, costs)[1],
+                    "held_bytes": held_delta_peak(plan, costs),
+                }
+            )
+        compiled = np.array([r["compiled_bytes"] for r in rows], dtype=np.float64)
+        freed = np.array([r["freed_bytes"] for r in rows], dtype=np.float64)
+        held = np.array([r["held_bytes"] for r in rows], dtype=np.float64)
+        extra = held - freed
+        design = np.stack([extra, np.ones_like(extra)], axis=1)
+        slope = np.linalg.lstsq(design, compiled - freed, rcond=None)[0][0]
+        out.append(
+            {
+                "chain": name,
+                "widths": widths,
+                "kinds": kinds,
+                "plans": len(rows),
+                "held_extra_mean_mib": float(extra.mean() / MIB),
+                "held_extra_max_mib": float(extra.max() / MIB),
+                "spearman_freed": _spearman(compiled, freed),
+                "spearman_held": _spearman(compiled, held),
+                "mae_freed_mib": float(np.abs(compiled - freed).mean() / MIB),
+                "mae_held_mib": float(np.abs(compiled - held).mean() / MIB),
+                "slope": float(slope),
+                "rows": rows,
+            }
+        )
+    return out
+
+
+def accounting_markdown(check: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## Memory accounting: is δ freed after the backward that reads it?",
+        "",
+        "Sampled plans of six-stage chains (batch 256), each compiled; model peaks with "
+        "δ_t freed by the backward of stage t − 1 (rotor's accounting, the solver's) and "
+        "held through the whole segment (the solver's before). *held − freed*: the δ bytes "
+        "the held accounting adds at its peak. *slope*: least squares of compiled − freed "
+        "on held − freed (1 if XLA kept those cotangents, 0 if it freed them).",
+        "",
+        "| chain | plans | held − freed MiB (mean / max) | Spearman: freed / held "
+        "| mean abs error MiB: freed / held | slope |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in check:
+        lines.append(
+            f"| {c['chain']} | {c['plans']} | {c['held_extra_mean_mib']:.2f} / "
+            f"{c['held_extra_max_mib']:.2f} | {c['spearman_freed']:.2f} / "
+            f"{c['spearman_held']:.2f} | {c['mae_freed_mib']:.2f} / {c['mae_held_mib']:.2f} "
+            f"| {c['slope']:+.2f} |"
+        )
+    lines += ["", "<!-- prose: accounting -->"]
+    return lines
 
 
 def goal_summary(model: dict) -> str:
@@ -354,7 +572,15 @@ def markdown(results: dict) -> str:
             f"candidate plans; {model['compilations']} programs compiled"
             + ("" if seconds is None else f"; {seconds / 60:.1f} min in all")
             + ". Baselines run through the same executor (stage backward sequenced); "
-            "*plain* ones are bare `jax.checkpoint`.",
+            "*plain* ones are bare `jax.checkpoint`."
+            + (
+                ""
+                if model.get("delta_accounting") == "freed"
+                else " **Stale**: rotor's candidates, choices and the model-peak column come "
+                "from the solver before it freed δ_t after its backward (see *Memory "
+                "accounting* below); compiled figures of the baselines do not depend on it. "
+                f"Refresh with `--models {model['model']} --update`."
+            ),
             "",
             "| schedule | peak MiB | FLOPs overhead | model peak MiB | plan |",
             "|---|---:|---:|---:|---|",
@@ -410,6 +636,8 @@ def markdown(results: dict) -> str:
                     "rotor's candidates miss."
                 ),
             ]
+    if results.get("accounting"):
+        lines += accounting_markdown(results["accounting"])
     return "\n".join(lines) + "\n"
 
 
@@ -497,7 +725,14 @@ def main() -> None:
     parser.add_argument(
         "--update",
         action="store_true",
-        help="replace only the models given in an existing remat.json, keep the others",
+        help="replace only the models given in an existing remat.json, keep the others "
+        "and the accounting check",
+    )
+    parser.add_argument(
+        "--accounting",
+        action="store_true",
+        help="run only the memory accounting check (about 2 min); keep the models of an "
+        "existing remat.json",
     )
     parser.add_argument(
         "--from-json",
@@ -506,23 +741,34 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "remat.json"
     if args.from_json:
-        results = json.loads((args.out / "remat.json").read_text())
+        results = json.loads(path.read_text())
     else:
-        results = {"solver": solver_speed(), "models": []}
-        if args.update and (args.out / "remat.json").exists():
-            results["models"] = json.loads((args.out / "remat.json").read_text())["models"]
-        for name in args.models:
-            entry = run_model(name, args.rotor_plans, args.slots)
-            names = [m["model"] for m in results["models"]]
-            if name in names:
-                results["models"][names.index(name)] = entry
-            else:
-                results["models"].append(entry)
-            (args.out / "remat.json").write_text(json.dumps(results, indent=1))
+        existing = json.loads(path.read_text()) if path.exists() else {}
+        results = {"solver": solver_speed(), "models": [], "accounting": None}
+        if args.update or args.accounting:
+            results["models"] = existing.get("models", [])
+            results["accounting"] = existing.get("accounting")
+        if args.accounting:
+            results["accounting"] = accounting_check()
+            path.write_text(json.dumps(results, indent=1))
+        else:
+            for name in args.models:
+                entry = run_model(name, args.rotor_plans, args.slots)
+                names = [m["model"] for m in results["models"]]
+                if name in names:
+                    results["models"][names.index(name)] = entry
+                else:
+                    results["models"].append(entry)
+                path.write_text(json.dumps(results, indent=1))
+            if not args.update:
+                results["accounting"] = accounting_check()
+                path.write_text(json.dumps(results, indent=1))
     text = fill_prose(markdown(results), "remat")
     (args.out / "remat.md").write_text(text)
-    plot(results, args.out / "remat.png")
+    if results["models"]:
+        plot(results, args.out / "remat.png")
     print(text)
 
 

@@ -154,7 +154,8 @@ class ChainPlanner:
 
     Args:
       stages: ``L`` pure functions ``(p_i, x_i) -> x_{i+1}``.
-      params: ``L`` per-stage parameter pytrees (arrays or ``ShapeDtypeStruct``s).
+      params: ``L`` per-stage parameter pytrees (arrays or ``ShapeDtypeStruct``s); a leaf
+        object several stages hold is a tied weight, compiled and counted once.
       x: an example chain input (arrays or ``ShapeDtypeStruct``s; its shapes are used).
       loss: maps the chain output to the scalar that is differentiated; defaults to the
         sum of its floating leaves. Make the last stage the loss for a training step.
