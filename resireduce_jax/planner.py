@@ -633,6 +633,7 @@ def largest_batch(
     *,
     max_batch: int,
     min_batch: int = 1,
+    start: int | None = None,
     search: Literal["interpolate", "bisect"] = "interpolate",
     device: DeviceModel | None = None,
     progress: Callable[..., Iterable[Any]] | None = None,
@@ -661,6 +662,8 @@ def largest_batch(
       budget: per-worker bytes or a size string.
       max_batch: the largest batch tried.
       min_batch: the smallest batch tried.
+      start: the first batch tried when nothing is cached yet (e.g. the configured batch;
+        default ``min_batch``): a line through nearby peaks predicts better.
       search: ``"interpolate"`` or ``"bisect"``.
       device: the step-time model.
       progress: wraps the loop over candidates.
@@ -672,13 +675,17 @@ def largest_batch(
         raise ValueError(f"search must be 'interpolate' or 'bisect', got {search!r}.")
     if not 1 <= min_batch <= max_batch:
         raise ValueError(f"need 1 <= min_batch <= max_batch, got {min_batch}, {max_batch}.")
+    if start is not None and not min_batch <= start <= max_batch:
+        raise ValueError(f"start={start} is outside [min_batch, max_batch].")
     budget_bytes = parse_budget(budget)
     device = device or DeviceModel()
     compiler = _cached(compile_fn)
     searches = []
     for candidate in _progress(list(candidates), progress, "largest batch"):
         searches.append(
-            _search_batch(compiler, candidate, budget_bytes, min_batch, max_batch, search, device)
+            _search_batch(
+                compiler, candidate, budget_bytes, min_batch, max_batch, search, device, start
+            )
         )
     return LargestBatch(budget_bytes, searches, device)
 
@@ -691,6 +698,7 @@ def _search_batch(
     max_batch: int,
     search: str,
     device: DeviceModel,
+    start: int | None,
 ) -> BatchSearch:
     probes: list[tuple[int, int]] = []
 
@@ -707,6 +715,11 @@ def _search_batch(
     fails = sorted(b for b, p in known.items() if p > budget)
     lo = fits[-1] if fits else None
     hi = next((b for b in fails if lo is None or b > lo), None)
+    if lo is None and hi is None and start is not None and start != min_batch:
+        if peak(start) <= budget:
+            lo = start
+        else:
+            hi = start
     if lo is None:
         if hi == min_batch or peak(min_batch) > budget:
             compiled = compiler.leanest(candidate, min_batch)

@@ -237,9 +237,10 @@ def test_largest_batch_agrees_with_a_brute_force_scan(search):
     budgets = [low - 1, (2 * low + high) // 3, (low + 2 * high) // 3, 10 * high]
     cache = planner.CachedCompiler(compile_fn)  # shared by the budgets
     # compile_fn is cached, so the brute force compiles each (candidate, batch) once.
-    for budget in budgets:
+    for i, budget in enumerate(budgets):
+        cold = planner.CachedCompiler(compile_fn) if i == 1 else cache  # a search from `start`
         result = planner.largest_batch(
-            candidates, cache, budget, max_batch=max_batch, search=search
+            candidates, cold, budget, max_batch=max_batch, search=search, start=8
         )
         for found in result.searches:
             expected = brute_force(found.candidate, budget, max_batch)
@@ -288,3 +289,37 @@ def test_plan_only_writes_the_table_and_exits(tmp_path):
     assert plan["planned"]["optimizer.name"] in ("sgd", "optax.sgd")
     assert not (workdir / "checkpoints").exists()  # nothing trained
     assert "Memory plan" in result.stdout and os.path.basename(str(workdir)) in result.stdout
+
+
+def test_a_checkpointed_stage_with_unread_per_worker_outputs_differentiates_in_shard_map():
+    """Rotor candidates of models with batch statistics (ResNet-50) in the data-parallel step.
+
+    The statistics vary over the workers and the loss does not read them: their symbolic
+    zero cotangent must be instantiated varying too (``remat.executor``).
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from resireduce_jax.remat.executor import sequenced_stage
+
+    def stage(p, carry):
+        h, stats = carry
+        y = jnp.tanh(h @ p)
+        return y, stats + jnp.mean(y, axis=0)
+
+    run = sequenced_stage(stage)
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def body(p, h):
+        def loss(p):
+            y, stats = run(p, (h, jnp.zeros((4,))))
+            return jnp.sum(y), stats
+
+        p = jax.lax.pcast(p, ("data",), to="varying")
+        return jax.lax.psum(jax.grad(lambda p: loss(p)[0])(p), "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    w = jax.device_put(jnp.eye(4), NamedSharding(mesh, P()))
+    h = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
+    expected = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.ones((16, 4)) @ w)))(jnp.eye(4))
+    assert jnp.allclose(step(w, h), expected, atol=1e-5)

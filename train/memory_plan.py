@@ -160,6 +160,20 @@ class StepCompiler:
         steps = sum(c.compile_seconds for c in self._steps.values())
         return steps + sum(c.seconds for c in self._chains.values())
 
+    def records(self) -> list[dict[str, Any]]:
+        """One row per compiled step: what, batch, checkpoints, peak, compile seconds."""
+        return [
+            {
+                "exchange": exchange,
+                "optimizer": optimizer,
+                "batch_per_worker": batch,
+                "checkpoints": None if plan is None else plan.num_checkpoints,
+                "peak_bytes": compiled.peak_bytes,
+                "compile_seconds": compiled.compile_seconds,
+            }
+            for (exchange, optimizer, batch, plan), compiled in self._steps.items()
+        ]
+
     # ------------------------------------------------------------------ candidates
 
     def candidates(self) -> list[Candidate]:
@@ -222,6 +236,21 @@ class StepCompiler:
         """The chain model whose gradient follows ``plan`` (planned for ``batch``)."""
         model = self._chain(batch).model
         return dataclasses.replace(model, rotor=dataclasses.replace(model.rotor, plan=plan))
+
+    def plan_of(self, row: planner.Row) -> remat.Plan | None:
+        """The checkpointing plan of a table row (``None``: no checkpointing)."""
+        nested = row.compiled.settings.get("remat_plan_json")
+        if nested is None:
+            return None
+        stages = len(self._chain(row.batch_per_worker).model.chain.layers)
+        return remat.Plan.from_json(nested, stages)
+
+    def task_for(self, row: planner.Row) -> tasks.Task:
+        """The task that trains a table row: the config's model, or its planned chain."""
+        plan = self.plan_of(row)
+        if plan is None:
+            return self.task
+        return dataclasses.replace(self.task, model=self.model_for(row.batch_per_worker, plan))
 
     def compile(self, candidate: Candidate, batch: int, plan: remat.Plan | None) -> Compiled:
         """The step of ``candidate``'s exchange and optimizer at ``batch``, under ``plan``.
@@ -383,9 +412,7 @@ class StepCompiler:
         exchange), as compiled.
         """
         chain = self._chain(row.batch_per_worker)
-        plan = remat.Plan.from_json(
-            row.compiled.settings["remat_plan_json"], chain.planner.costs.num_stages
-        )
+        plan = self.plan_of(row)
         gradient = chain.planner.compile(plan)
         return remat.RematChoice(
             plan=plan,
@@ -494,7 +521,7 @@ def plan_for_training(
     result, compiler = _plan(config, workdir, verbose=jax.process_index() == 0)
     chosen = result.chosen
     planned = compiler.config_for(chosen.candidate)
-    if chosen.compiled.settings.get("remat_plan_json") is None:
+    if compiler.plan_of(chosen) is None:
         return planned, None
     choice = compiler.remat_choice(chosen, result.budget_bytes)
-    return planned, (compiler.model_for(chosen.batch_per_worker, choice.plan), choice)
+    return planned, (compiler.task_for(chosen).model, choice)

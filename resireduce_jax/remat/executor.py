@@ -68,7 +68,12 @@ def _instantiate_zeros(tree: Any) -> Any:
             return leaf
         if leaf.aval.dtype == jax.dtypes.float0:
             return np.zeros(leaf.aval.shape, jax.dtypes.float0)
-        return jnp.zeros(leaf.aval.shape, leaf.aval.dtype)
+        zeros = jnp.zeros(leaf.aval.shape, leaf.aval.dtype)
+        # Inside shard_map a cotangent varies over the axes its primal varies over (e.g.
+        # per-worker batch statistics that the loss does not read).
+        manual = getattr(leaf.aval, "manual_axis_type", None)
+        varying = tuple(sorted(getattr(manual, "varying", ())))
+        return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
     return jax.tree.map(instantiate, tree, is_leaf=lambda leaf: isinstance(leaf, SymbolicZero))
 
