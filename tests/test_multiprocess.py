@@ -85,7 +85,7 @@ class LocalJob:
 
     Use as a context manager: leaving the block kills every process still running.
     Output of process ``i`` goes to ``<workdir>.run<n>.p<i>.log`` (``n``: the how-manyth
-    job in this workdir).
+    job in this workdir). ``config`` is relative to the repository root.
     """
 
     def __init__(
@@ -96,6 +96,7 @@ class LocalJob:
         flags: Sequence[str] = (),
         *,
         program: Sequence[str] = ("-m", "train"),
+        config: str = "configs/default.py",
     ):
         self.workdir = str(workdir)
         self.num_processes = num_processes
@@ -107,7 +108,7 @@ class LocalJob:
         port = free_port()
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
         env.pop("XLA_FLAGS", None)  # the program sets its own (num_workers / processes)
-        args = ["--config=configs/default.py", f"--workdir={self.workdir}"]
+        args = [f"--config={config}", f"--workdir={self.workdir}"]
         args += [f"--config.{k}={v}" for k, v in overrides.items()]
         args += list(flags)
         try:
