@@ -459,8 +459,12 @@ class DGC(_SparseBase):
 
     The selection equals exact Top-k (up to ties) whenever the final count lies in
     ``[k, C]``; with fewer than ``k`` passing entries the payload is padded (index ``n``,
-    value ``0``). Zeros and NaNs are never selected. Biased: use error feedback (DGC adds
-    momentum correction and clipping on top; those belong to the optimizer, not here).
+    value ``0``). Zeros and NaNs are never selected. Biased: use error feedback, or DGC's
+    own memory, which replaces it: momentum correction, local gradient clipping and
+    momentum factor masking are :func:`resireduce_jax.dgc_memory` (the first transform of
+    an optax chain, with this or another sparsifying compressor) and
+    :func:`resireduce_jax.deep_gradient_compression` (that memory followed by SGD without
+    momentum), both in :mod:`resireduce_jax.dgc`.
 
     Payload: ``k = max(1, floor(density n))`` values (leaf dtype) + ``k`` int32 indices,
     ``k (itemsize + 4)`` bytes per worker; exchanged by all-gather + scatter-add.
