@@ -363,6 +363,22 @@ def test_bert_large_density_reaches_the_compressor():
     assert math.isclose(compressor.density, 0.001)
 
 
+@pytest.mark.parametrize("norm_source", ["residual", "compensated"])
+def test_norm_source_reaches_the_transform_plan(norm_source):
+    c = load_config("default")  # w+2d: hidden_0's kernel gets a 2-D store
+    assert c.compression.norm_source == "residual"  # the paper's reading by default
+    c.compression.norm_source = norm_source
+    config_schema.validate(c, known_models=models.MODELS)
+    params = models.abstract_variables(c.model.name)["params"]
+    for plans in (
+        factory.build_exchange(c.compression).plan(params).stores,
+        factory.build_store_plans(c.compression, params),
+    ):
+        intra = [p for p in plans if p.kind in ("rows", "2d")]
+        assert intra, [p.kind for p in plans]
+        assert {p.norm_source for p in intra} == {norm_source}
+
+
 def test_compiled_peak_drops_by_most_of_the_state_saving():
     """GPT-2 (3 blocks of width 128, 4096-token vocabulary, the medium config's rules and
     AdamW) in the donated 8-worker train step: the compiled peak of w+2d is lower than

@@ -78,6 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.col_ratio = 0.5
     c.compression.selection = "top"
     c.compression.weight_source = "residual"
+    # What -d/-2d rank rows and columns by: L1 norms of the fresh residual ("residual", the
+    # paper) or of the compensated gradient ("compensated", the reference code).
+    c.compression.norm_source = "residual"
     c.compression.phi = 0.5
     c.compression.nonfinite = "skip"  # "skip" or "raise"
 

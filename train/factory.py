@@ -118,6 +118,7 @@ def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[s
         selection=comp.selection,
         phi=comp.phi,
         weight_source=comp.weight_source,
+        norm_source=comp.norm_source,
         residual_dtype=comp.residual_dtype or None,
         min_size=comp.min_size,
     )
