@@ -20,6 +20,17 @@ store kind                what it keeps per worker
 Leaves with ``ndim <= 1`` or fewer than ``min_size`` elements are in no store: they travel
 dense (``pmean``), as in the reference code.
 
+**Hierarchical exchange** (``local_axis``, beyond the paper; docs/design.md, "Hierarchical
+exchange"). On a mesh ``(nodes, L)`` whose ``local`` axis spans the fast links of one node,
+every compressed leaf is first reduce-scattered densely over ``local``: each device gets
+``1/L`` of its node's mean gradient (the leaf's 2-D view split along axis 0, see
+:class:`~resireduce_jax.residual_stores.Shard`). The device compensates that shard with its
+shard of the residual, compresses it, exchanges the payload over the ``data`` axis only
+(one device per node takes part in each exchange), and the means are all-gathered densely
+over ``local``. Stores hold one shard per device, so residual memory per device is the flat
+transform's divided by ``L``; error feedback acts on node means. With a local axis of size
+1 the transform is the flat one over both axes, bit for bit.
+
 This module owns the state (:class:`ExchangeState`, one type for all modes), the plan
 (``tx.plan(params)``), the update loop, the handling of a skipped step (the ``skip``
 extra argument that :func:`~resireduce_jax.skip_nonfinite` passes), and every operation
@@ -50,10 +61,17 @@ from jax.sharding import PartitionSpec as P
 
 from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
-from resireduce_jax.compressors.base import Compressor, after, check_axis_bound, dense_mean
+from resireduce_jax.compressors.base import (
+    Compressor,
+    after,
+    axis_size,
+    check_axis_bound,
+    dense_mean,
+)
 from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
 
 PyTree = Any
+AxisName = str | tuple[str, ...]
 StorePlanner = Callable[[PyTree], Sequence[stores.StorePlan]]
 
 __all__ = [
@@ -138,32 +156,67 @@ class ExchangeTransformation(optax.GradientTransformationExtraArgs):
 
     __slots__ = ()
 
-    def plan(self, params: PyTree) -> ExchangePlan:
-        return self.init.__self__.plan(params)  # ``init`` is a bound method of _Exchange
+    def plan(self, params: PyTree, *, local_size: int | None = None) -> ExchangePlan:
+        """The residual plan; ``local_size``: the local axis size of a hierarchical
+        transform (read from the mesh when called inside ``shard_map``)."""
+        core = self.init.__self__  # ``init`` is a bound method of _Exchange
+        return core.plan(params, local_size=local_size)
 
 
 def leaf_key(
-    seed: int, count: jax.Array, leaf_index: int, compressor: Compressor, axis_name: str
+    seed: int,
+    count: jax.Array,
+    leaf_index: int,
+    compressor: Compressor,
+    axis_name: AxisName,
+    shard_axis: str | None = None,
 ) -> jax.Array | None:
     """The PRNG key of one leaf at one step (``None`` for deterministic compressors).
 
     ``fold_in(fold_in(PRNGKey(seed), count), leaf_index)`` is the same on every worker;
-    for ``randomness == "per_worker"`` the worker index is folded in as well.
+    a sharded leaf folds in the shard's index on ``shard_axis`` (shard ``j`` of every node
+    draws alike), and for ``randomness == "per_worker"`` the worker index is folded in as
+    well.
     """
     if compressor.randomness == "none":
         return None
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), count), leaf_index)
+    if shard_axis is not None:
+        key = jax.random.fold_in(key, lax.axis_index(shard_axis))
     if compressor.randomness == "per_worker":
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
     return key
 
 
-def _selection_key(seed: int, count, leaf_index: int, axis_name: str, plan: stores.StorePlan):
+def _selection_key(
+    seed: int, count, leaf_index: int, axis_name: AxisName, plan: stores.StorePlan
+) -> jax.Array | None:
     if plan.selection != "softmax_sample":
         return None
     key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _SELECTION_STREAM), count)
     key = jax.random.fold_in(key, leaf_index)
     return jax.random.fold_in(key, lax.axis_index(axis_name))  # residuals differ per worker
+
+
+def _node_mean_shard(shard: stores.Shard, g: jax.Array) -> jax.Array:
+    """This device's shard of the node's mean of ``g``: a dense reduce-scatter over local."""
+    m = g.reshape(shard.shape2d)
+    pad = shard.rows * shard.count - shard.shape2d[0]
+    if pad:
+        m = jnp.pad(m, ((0, pad), (0, 0)))
+    total = lax.psum_scatter(m, shard.axis_name, scatter_dimension=0, tiled=True)
+    return (total.astype(jnp.promote_types(g.dtype, jnp.float32)) / shard.count).astype(g.dtype)
+
+
+def _gather_shards(shard: stores.Shard, x: jax.Array) -> jax.Array:
+    """The whole leaf from every device's shard: a dense all-gather over local."""
+    if x.dtype == jnp.bfloat16:  # XLA:CPU widens bfloat16 all-gathers (compressors.base)
+        bits = lax.bitcast_convert_type(x, jnp.uint16)
+        bits = lax.all_gather(bits, shard.axis_name, axis=0, tiled=True, to="invarying")
+        full = lax.bitcast_convert_type(bits, jnp.bfloat16)
+    else:
+        full = lax.all_gather(x, shard.axis_name, axis=0, tiled=True, to="invarying")
+    return full[: shard.shape2d[0]].reshape(shard.leaf_shape)
 
 
 def _where_skip(skip: jax.Array | None, if_skipped: PyTree, otherwise: PyTree) -> PyTree:
@@ -177,25 +230,53 @@ class _Exchange:
     """The one exchange algorithm; ``init``/``update`` are the transform's functions."""
 
     compressor: Compressor
-    axis_name: str
+    axis_name: AxisName
     planner: StorePlanner
     min_size: int
     seed: int
     name: str
+    local_axis: str | None = None
+
+    @property
+    def worker_axes(self) -> AxisName:
+        """Every axis the workers are mapped over (``data`` and, if set, ``local``)."""
+        if self.local_axis is None:
+            return self.axis_name
+        data = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
+        return (*data, self.local_axis)
+
+    def _local_size(self) -> int:
+        """Devices on the local axis (1 without one); inside shard_map / pmap only."""
+        return 1 if self.local_axis is None else axis_size(self.local_axis)
 
     # ------------------------------------------------------------------------ plan
 
-    def plan(self, params: PyTree) -> ExchangePlan:
+    def plan(self, params: PyTree, *, local_size: int | None = None) -> ExchangePlan:
+        if self.local_axis is None:
+            local_size = 1
+        elif local_size is None:
+            try:
+                local_size = self._local_size()
+            except NameError:
+                raise ValueError(
+                    f"{self.name} is hierarchical (local_axis='{self.local_axis}'): its plan "
+                    "depends on the local axis size. Call tx.plan(params, local_size=L) "
+                    "outside shard_map."
+                ) from None
         shapes = tuple(
             (tuple(np.shape(x)), np.dtype(x.dtype).name) for x in jax.tree.leaves(params)
         )
-        return self._plan_for(jax.tree.structure(params), shapes)
+        return self._plan_for(jax.tree.structure(params), shapes, int(local_size))
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 - keyed by (treedef, shapes): hashable, tiny
-    def _plan_for(self, treedef, shapes) -> ExchangePlan:
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - keyed by (treedef, shapes, L): hashable, tiny
+    def _plan_for(self, treedef, shapes, local_size: int) -> ExchangePlan:
         like = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in shapes])
         paths = tuple(leaf_paths(like))
         store_plans = tuple(self.planner(like))
+        if local_size > 1:
+            store_plans = tuple(
+                stores.shard_store(p, self.local_axis, local_size) for p in store_plans
+            )
         members = {i for p in store_plans for i in p.group.members}
         dense = tuple(i for i in range(len(paths)) if i not in members)
         return ExchangePlan(paths=paths, stores=store_plans, dense=dense)
@@ -209,7 +290,7 @@ class _Exchange:
         cstates: list[Any] = [optax.MaskedNode()] * len(leaves)
         for store in plan.stores:
             for i in store.group.members:
-                like = jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype)
+                like = jax.ShapeDtypeStruct(store.group.shape, leaves[i].dtype)  # a shard's
                 self.compressor.validate(plan.paths[i], like)
                 cstates[i] = self.compressor.init(like)
         return ExchangeState(
@@ -230,19 +311,30 @@ class _Exchange:
         ``skip`` together with sanitized (strict mode: ``-0.0``) gradients.
         """
         del params, extra_args
-        check_axis_bound(self.axis_name)
-        plan = self.plan(updates)
+        check_axis_bound(self.worker_axes)
+        local_size = self._local_size()
+        plan = self.plan(updates, local_size=local_size)
         leaves, treedef = jax.tree.flatten(updates)
         cstates = treedef.flatten_up_to(state.compressor_state)
         out: list[Any] = [None] * len(leaves)
         new_cstates = list(cstates)
         new_residuals: dict[str, Any] = {}
+        # Payloads cross the data axis only when leaves are sharded over a local axis;
+        # otherwise (no local axis, or one of size 1) they cross every worker axis.
+        payload_axes = self.axis_name if local_size > 1 else self.worker_axes
+        shards = {i: p.shard for p in plan.stores for i in p.group.members if p.shard}
+        for i, shard in shards.items():
+            leaves[i] = _node_mean_shard(shard, leaves[i])
 
         def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
             """Exchanges leaf ``i``'s compensated ``x``; returns this worker's residual."""
-            key = leaf_key(self.seed, state.count, i, self.compressor, self.axis_name)
-            reduced = self.compressor.reduce(x, cstates[i], key, self.axis_name, skip=residual_skip)
-            out[i] = _where_skip(skip, jnp.zeros((), reduced.mean.dtype), reduced.mean)
+            shard = shards.get(i)
+            key = leaf_key(
+                self.seed, state.count, i, self.compressor, payload_axes, shard and shard.axis_name
+            )
+            reduced = self.compressor.reduce(x, cstates[i], key, payload_axes, skip=residual_skip)
+            mean = reduced.mean if shard is None else _gather_shards(shard, reduced.mean)
+            out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
             new_cstates[i] = _where_skip(skip, cstates[i], reduced.state)
             return reduced.residual
 
@@ -269,12 +361,12 @@ class _Exchange:
                     norms = stores.dimension_norms(store, compensated)  # two vectors
                     compensated = after(compensated, norms)  # read G~ before it is consumed
                 r = send(i, compensated, None)
-                key = _selection_key(self.seed, state.count, i, self.axis_name, store)
+                key = _selection_key(self.seed, state.count, i, self.worker_axes, store)
                 kept = stores.compress_residual(store, r, key, norms)
                 new_residuals[label] = _where_skip(skip, stored, kept)
 
         for i in plan.dense:  # small leaves: plain all-reduce, no residual
-            mean = dense_mean(leaves[i], self.axis_name)
+            mean = dense_mean(leaves[i], self.worker_axes)
             out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
         count = optax.safe_int32_increment(state.count)
         new_state = ExchangeState(
@@ -298,25 +390,26 @@ class _Exchange:
             g = leaves[i] if dependency is None else after(leaves[i], dependency)
             compensated = stores.compensate(store, stored, g)
             if store.kind == "weighted" and store.weight_source == "compensated":
-                weight = stores.residual_weight(compensated, store.phi)
+                weight = stores.residual_weight(compensated, store.phi, store.shard)
                 compensated = after(compensated, weight)  # read G~ before it is updated
             r = send(i, compensated, None)
             if store.kind == "average":
                 weight = jnp.ones([], jnp.float32)
             elif store.weight_source == "residual":
-                weight = stores.residual_weight(r, store.phi)
+                weight = stores.residual_weight(r, store.phi, store.shard)
             acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
         return acc.finish(store)
 
 
 def exchange(
     compressor: Compressor,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     planner: StorePlanner,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
     name: str = "exchange",
+    local_axis: str | None = None,
 ) -> ExchangeTransformation:
     """The exchange transform with the residual stores that ``planner`` decides.
 
@@ -326,16 +419,24 @@ def exchange(
 
     Args:
       compressor: a compressor from :mod:`resireduce_jax.compressors`.
-      axis_name: the mapped axis of the data-parallel workers.
+      axis_name: the mapped axis (or tuple of axes) of the data-parallel workers.
       planner: ``params -> [StorePlan, ...]`` covering every compressed leaf once.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys (compressor randomness, residual sampling).
       name: the public factory's name, for error messages.
+      local_axis: the axis of a node's devices for the hierarchical exchange (module
+        docstring), or ``None`` (flat).
 
     Returns:
       An :class:`ExchangeTransformation` whose state is an :class:`ExchangeState`.
     """
-    core = _Exchange(compressor, axis_name, planner, min_size, seed, name)
+    if local_axis is not None:
+        data = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        if not isinstance(local_axis, str) or local_axis in data:
+            raise ValueError(
+                f"local_axis must be the name of a mesh axis other than {data}, got {local_axis!r}."
+            )
+    core = _Exchange(compressor, axis_name, planner, min_size, seed, name, local_axis)
     return ExchangeTransformation(core.init, core.update)
 
 
@@ -380,8 +481,62 @@ def leaf_residuals(
     return out
 
 
+def _node_residuals(store: stores.StorePlan, stored: Any) -> list[jax.Array]:
+    """The residuals a saved store owes, one leaf-shaped array per old node (per old worker
+    when the store is not sharded), in float32 or wider."""
+    old_devices = jax.tree.leaves(stored)[0].shape[0]
+
+    def device(d):
+        dense = stores.densify(store, jax.tree.map(lambda x: x[d], stored))
+        return np.asarray(dense, np.promote_types(dense.dtype, np.float32))
+
+    shard = store.shard
+    if shard is None:
+        return [device(d) for d in range(old_devices)]
+    nodes = []
+    for n in range(old_devices // shard.count):
+        parts = [device(n * shard.count + j) for j in range(shard.count)]
+        nodes.append(np.concatenate(parts)[: shard.shape2d[0]].reshape(shard.leaf_shape))
+    return nodes
+
+
+def _store_residual(store: stores.StorePlan, mean: np.ndarray, num_workers: int) -> Any:
+    """Every new device's stored residual for the owed ``mean`` (leading device axis)."""
+    top = dataclasses.replace(store, selection="top")
+    shard = store.shard
+    if shard is None:
+        kept = stores.compress_residual(top, mean, None) if store.kind in ("rows", "2d") else mean
+        parts = [kept] * num_workers
+    else:
+        m = np.zeros((shard.rows * shard.count, shard.shape2d[1]), mean.dtype)
+        m[: shard.shape2d[0]] = mean.reshape(shard.shape2d)
+        whole = np.abs(m).sum(axis=0)  # norms of axis-1 indices: over the whole layer
+        per_shard = []
+        for j in range(shard.count):
+            part = m[j * shard.rows : (j + 1) * shard.rows]
+            if store.kind in ("rows", "2d"):
+                local = np.abs(part).sum(axis=1)  # norms of the shard's own axis-0 indices
+                rows, cols = (whole, local) if store.view.row_axis == 1 else (local, whole)
+                norms = stores.DimensionNorms(rows, cols if store.kind == "2d" else None)
+                part = stores.compress_residual(top, part, None, norms)
+            per_shard.append(part)
+        parts = [per_shard[d % shard.count] for d in range(num_workers)]
+
+    def cast(x):  # values in the store's dtype; indices stay int32
+        x = np.asarray(x)
+        return x.astype(store.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    parts = [jax.tree.map(cast, p) for p in parts]
+    return jax.tree.map(lambda *xs: np.stack(xs), *parts)
+
+
 def resize_workers(
-    state: ExchangeState, specs: ExchangeState, plan: ExchangePlan, num_workers: int
+    state: ExchangeState,
+    specs: ExchangeState,
+    plan: ExchangePlan,
+    num_workers: int,
+    *,
+    new_plan: ExchangePlan | None = None,
 ) -> ExchangeState:
     """An exchange state saved by ``W_old`` workers, as the state of ``num_workers`` workers.
 
@@ -392,37 +547,46 @@ def resize_workers(
     mean keeps outside the new selection, as any step of ResiReduce-d/-2d does. Other
     per-worker floating state (compressor state) is averaged; replicated leaves are kept.
 
+    Hierarchical exchanges (sharded stores) owe ``mean_n R_n`` over nodes, where node
+    ``n``'s residual is its devices' shards put together; the mean is re-sharded for the
+    new layout (``new_plan``), so a change of the devices per node ``L`` is covered too.
+
     Args:
       state: the restored state, as host (numpy) arrays.
       specs: its PartitionSpecs (:func:`resireduce_jax.parallel.state_partition_specs`).
-      plan: ``tx.plan(params)`` of the exchange transform.
-      num_workers: the new number of workers.
+      plan: the plan the state was saved with (``tx.plan(params, local_size=L_old)``).
+      num_workers: the new number of workers (devices).
+      new_plan: the plan of the new layout (``tx.plan(params, local_size=L_new)``);
+        default ``plan``.
+
+    Raises:
+      ValueError: when per-worker compressor state is shaped by the shards and the shard
+        layout changes, or cannot be averaged.
     """
+    new_plan = new_plan or plan
 
     def repeat(x):
         x = np.asarray(x)
         return np.ascontiguousarray(np.broadcast_to(x, (num_workers, *x.shape)))
 
     residuals = {}
-    for store in plan.kept:
-        stored = state.residuals[store.group.label]
-        old_workers = jax.tree.leaves(stored)[0].shape[0]
-        dense = [
-            stores.densify(store, jax.tree.map(lambda x, w=w: x[w], stored))
-            for w in range(old_workers)
-        ]
-        mean = sum(d.astype(jnp.float32) for d in dense) / old_workers
-        if store.kind in ("rows", "2d"):
-            top = dataclasses.replace(store, selection="top")
-            kept = stores.compress_residual(top, mean, None)
-        else:
-            kept = mean.astype(store.dtype)
-        residuals[store.group.label] = jax.tree.map(repeat, kept)
+    for old, new in zip(plan.kept, new_plan.kept, strict=True):
+        owed = _node_residuals(old, state.residuals[old.group.label])
+        mean = sum(owed) / len(owed)
+        residuals[new.group.label] = _store_residual(new, mean, num_workers)
+
+    relaid = any(a.shard != b.shard for a, b in zip(plan.stores, new_plan.stores, strict=True))
 
     def per_worker_mean(x, spec):
         if spec == P():
             return x
         x = np.asarray(x)
+        if relaid:
+            raise ValueError(
+                "The compressor keeps per-worker state shaped by the residual shards, and the "
+                "devices per node changed; restart with the saved local_devices or a "
+                "stateless compressor."
+            )
         if not np.issubdtype(x.dtype, np.floating):
             raise ValueError(
                 f"A per-worker compressor state leaf of dtype {x.dtype} cannot be averaged "

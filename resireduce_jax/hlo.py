@@ -38,6 +38,7 @@ _INSTR = re.compile(
     r"(?P<op>" + "|".join(_COLLECTIVE_OPS) + r"|copy)(?P<start>-start)?\("
 )
 _GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_ALL_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)+)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 
 
@@ -60,6 +61,8 @@ class Collective:
       name: the HLO instruction name.
       shapes: result array shapes as ``(dtype, dims)``; several for combined (tuple) ops.
       group_size: number of participants per replica group.
+      replica_groups: the groups of device ids, when the HLO lists them explicitly
+        (``replica_groups={{0,4},{1,5}}``); ``None`` for the iota form.
       result_bytes: bytes of the result (for an all-gather: all workers' data).
       bytes_per_worker: bytes one participant contributes: the result for all-reduce,
         result / group size for all-gather.
@@ -69,6 +72,7 @@ class Collective:
     name: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     group_size: int
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def result_bytes(self) -> int:
@@ -99,6 +103,14 @@ def _group_size(line: str) -> int:
     return 1
 
 
+def _replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    m = _ALL_GROUPS.search(line)
+    if not m:
+        return None
+    groups = re.findall(r"\{([0-9,]*)\}", m.group(1))
+    return tuple(tuple(int(x) for x in g.split(",") if x) for g in groups)
+
+
 def collectives(compiled_or_text: Any) -> list[Collective]:
     """All collective instructions of a compiled program (or of its HLO text).
 
@@ -113,7 +125,15 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
         shapes = _shapes(m.group("type"))
         if m.group("start") and m.group("op") == "all-gather" and len(shapes) > 1:
             shapes = shapes[len(shapes) // 2 :]
-        found.append(Collective(m.group("op"), m.group("name"), tuple(shapes), _group_size(line)))
+        found.append(
+            Collective(
+                m.group("op"),
+                m.group("name"),
+                tuple(shapes),
+                _group_size(line),
+                _replica_groups(line),
+            )
+        )
     return found
 
 

@@ -33,12 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
+AxisName = str | tuple[str, ...]
 
 __all__ = [
+    "LOCAL_AXIS",
     "DataParallelStep",
     "abstract_state",
     "data_parallel_step",
@@ -51,8 +53,26 @@ __all__ = [
 ]
 
 
-def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
-    """A 1-D mesh of ``num_workers`` devices (default: all devices, across all processes)."""
+LOCAL_AXIS = "local"
+"""Name of the mesh axis over one node's devices (:func:`make_mesh` with ``local_devices``)."""
+
+
+def make_mesh(
+    num_workers: int | None = None,
+    axis_name: str = "data",
+    local_devices: int | None = None,
+) -> Mesh:
+    """The data-parallel mesh: all workers on one axis, or nodes × devices per node.
+
+    Args:
+      num_workers: devices used (default: all devices, across all processes).
+      axis_name: name of the (node) data axis.
+      local_devices: ``L``, devices per node. ``None``: a 1-D mesh ``(num_workers,)``.
+        Otherwise a 2-D mesh of shape ``(num_workers // L, L)`` with axes
+        ``(axis_name, "local")`` for the hierarchical exchange (``local_axis="local"`` in
+        the transforms): every row is one node, and with several processes every row's
+        devices belong to one process (run one process per node).
+    """
     devices = jax.devices()
     if num_workers is None:
         num_workers = len(devices)
@@ -62,7 +82,27 @@ def make_mesh(num_workers: int | None = None, axis_name: str = "data") -> Mesh:
             "simulate more with resireduce_jax.runtime.configure_cpu(num_devices=N) at "
             "program start (or XLA_FLAGS=--xla_force_host_platform_device_count=N)."
         )
-    return jax.make_mesh((num_workers,), (axis_name,), devices=devices[:num_workers])
+    if local_devices is None:
+        return jax.make_mesh((num_workers,), (axis_name,), devices=devices[:num_workers])
+    if isinstance(local_devices, bool) or not isinstance(local_devices, int) or local_devices < 1:
+        raise ValueError(f"local_devices must be a positive int, got {local_devices!r}.")
+    if num_workers % local_devices:
+        raise ValueError(
+            f"num_workers={num_workers} is not a multiple of local_devices={local_devices}: "
+            "every node must have the same number of devices."
+        )
+    by_process = sorted(devices[:num_workers], key=lambda d: (d.process_index, d.id))
+    grid = np.array(by_process, dtype=object).reshape(-1, local_devices)
+    for row in grid:
+        processes = {d.process_index for d in row}
+        if len(processes) > 1:
+            raise ValueError(
+                f"local_devices={local_devices} puts devices of processes {sorted(processes)} "
+                "on one node, but a node's devices must belong to one process (one process "
+                "per node). Use local_devices <= the devices per process "
+                f"({jax.local_device_count()} here) that divides it."
+            )
+    return Mesh(grid, (axis_name, LOCAL_AXIS), axis_types=(AxisType.Explicit,) * 2)
 
 
 def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -70,13 +110,20 @@ def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def shard_batch(batch: PyTree, mesh: Mesh, axis_name: str = "data") -> PyTree:
-    """Shards the leading (batch) axis of every leaf over ``axis_name``.
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, axis_name: AxisName | None = None) -> PyTree:
+    """Shards the leading (batch) axis of every leaf over ``axis_name`` (default: every
+    axis of ``mesh``, nodes first: one shard per device).
 
     Single process: ``batch`` is the global batch (``workers * per_worker`` rows).
     Multi-process: ``batch`` is this process's part (its local workers' rows), assembled
     into a global array with ``jax.make_array_from_process_local_data``.
     """
+    if axis_name is None:
+        axis_name = tuple(mesh.axis_names) if len(mesh.axis_names) > 1 else mesh.axis_names[0]
     sharding = NamedSharding(mesh, P(axis_name))
     workers_here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
@@ -95,18 +142,38 @@ def shard_batch(batch: PyTree, mesh: Mesh, axis_name: str = "data") -> PyTree:
     return jax.tree.map(place, batch)
 
 
-def _varying_leaves(tree: PyTree, axis_name: str) -> PyTree:
-    """Per leaf: does its (abstract) value vary over ``axis_name``? Trace time only."""
-    return jax.tree.map(lambda x: axis_name in jax.typeof(x).manual_axis_type.varying, tree)
+def _varying_leaves(tree: PyTree, axis_name: AxisName) -> PyTree:
+    """Per leaf: does its (abstract) value vary over (any of) ``axis_name``? Trace time only."""
+    axes = _axes(axis_name)
+
+    def varies(x):
+        return any(a in jax.typeof(x).manual_axis_type.varying for a in axes)
+
+    return jax.tree.map(varies, tree)
 
 
-def _specs_from_flags(flags: PyTree, axis_name: str) -> PyTree:
+def _specs_from_flags(flags: PyTree, axis_name: AxisName) -> PyTree:
     return jax.tree.map(lambda v: P(axis_name) if v else P(), flags)
 
 
 def stack_per_worker(tree: PyTree, specs: PyTree) -> PyTree:
-    """Inside shard_map: adds the leading worker axis (size 1 locally) to per-worker leaves."""
-    return jax.tree.map(lambda x, s: x[None] if s != P() else x, tree, specs)
+    """Inside shard_map: adds the leading worker axis (size 1 locally) to per-worker leaves.
+
+    A per-worker leaf that varies over only some of the worker axes (e.g. over nodes but
+    not over a node's devices) is cast to varying over all of them first: every device
+    keeps its own copy.
+    """
+
+    def stack(x, spec):
+        if spec == P():
+            return x
+        varying = jax.typeof(x).manual_axis_type.varying
+        missing = tuple(a for a in _axes(spec[0]) if a not in varying)
+        if varying and missing:
+            x = lax.pcast(x, missing, to="varying")
+        return x[None]
+
+    return jax.tree.map(stack, tree, specs)
 
 
 def unstack_per_worker(tree: PyTree, specs: PyTree) -> PyTree:
@@ -118,7 +185,7 @@ def state_partition_specs(
     tx: optax.GradientTransformation,
     params: PyTree,
     mesh: Mesh,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
 ) -> PyTree:
     """PartitionSpecs of ``tx``'s state for ``shard_map``: ``P(axis)`` for per-worker leaves.
 
@@ -132,7 +199,9 @@ def state_partition_specs(
       tx: the optax transform (chain) used in the step.
       params: the parameters or their ``jax.ShapeDtypeStruct``s.
       mesh: the device mesh.
-      axis_name: the data-parallel axis of ``mesh``.
+      axis_name: the data-parallel axis of ``mesh``, or all worker axes as a tuple
+        (``("data", "local")`` for the hierarchical exchange): a leaf varying over any of
+        them is per-device, ``P(("data", "local"))``.
 
     Returns:
       A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
@@ -152,11 +221,13 @@ def state_partition_specs(
         flags_box.append(_varying_leaves(new_state, axis_name))
         return jax.tree.map(lambda x: x[None], new_state)
 
-    flags = jax.tree.map(lambda _: False, jax.eval_shape(tx.init, abstract))
     sharded = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, P())),
         abstract,
     )
+    # init inside shard_map: a hierarchical exchange's plan reads the local axis size.
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
+    flags = jax.tree.map(lambda _: False, jax.eval_shape(init, sharded))
     for _ in range(8):  # monotone: ends after at most (number of state leaves) rounds
         flags_box.clear()
         fn = jax.shard_map(
@@ -177,7 +248,7 @@ def abstract_state(
     tx: optax.GradientTransformation,
     params: PyTree,
     mesh: Mesh,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
 ) -> tuple[PyTree, PyTree]:
     """``(state specs, state)`` of ``tx`` for ``params`` with nothing allocated.
 
@@ -201,7 +272,7 @@ def abstract_state(
     return specs, state
 
 
-def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:
+def _pmean_floats(tree: PyTree, axis_name: AxisName) -> PyTree:
     def mean(x):
         if jnp.issubdtype(x.dtype, jnp.inexact):
             return lax.pmean(x, axis_name)
@@ -210,7 +281,7 @@ def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:
     return jax.tree.map(mean, tree)
 
 
-def _assert_invariant(updates: PyTree, axis_name: str) -> None:
+def _assert_invariant(updates: PyTree, axis_name: AxisName) -> None:
     for path, flag in jax.tree_util.tree_flatten_with_path(_varying_leaves(updates, axis_name))[0]:
         if flag:
             name = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -235,6 +306,7 @@ class DataParallelStep:
     tx: optax.GradientTransformation
     mesh: Mesh
     axis_name: str = "data"
+    local_axis: str | None = None
     has_aux: bool = False
     with_model_state: bool = False
     with_rng: bool = False
@@ -244,8 +316,16 @@ class DataParallelStep:
     _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
 
     @property
+    def worker_axes(self) -> AxisName:
+        """The mesh axes the workers are mapped over: ``data`` (and ``local``)."""
+        if self.local_axis is None:
+            return self.axis_name
+        return (self.axis_name, self.local_axis)
+
+    @property
     def num_workers(self) -> int:
-        return self.mesh.shape[self.axis_name]
+        """Devices that each compute a gradient (nodes × devices per node)."""
+        return int(np.prod([self.mesh.shape[a] for a in _axes(self.worker_axes)]))
 
     def init(self, params: PyTree) -> tuple[PyTree, PyTree]:
         """Replicates ``params`` and builds the optimizer state inside ``shard_map``.
@@ -256,7 +336,7 @@ class DataParallelStep:
         """
         params = replicated(params, self.mesh)
         if self.state_specs is None:
-            self.state_specs = state_partition_specs(self.tx, params, self.mesh, self.axis_name)
+            self.state_specs = state_partition_specs(self.tx, params, self.mesh, self.worker_axes)
         if self._init is None:
             specs = self.state_specs
 
@@ -267,7 +347,7 @@ class DataParallelStep:
         return params, self._init(params)
 
     def _build(self) -> Callable[..., Any]:
-        axis, specs = self.axis_name, self.state_specs
+        axis, specs = self.worker_axes, self.state_specs
 
         def body(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
@@ -352,6 +432,7 @@ def data_parallel_step(
     mesh: Mesh,
     *,
     axis_name: str = "data",
+    local_axis: str | None = None,
     has_aux: bool = False,
     with_model_state: bool = False,
     with_rng: bool = False,
@@ -373,6 +454,11 @@ def data_parallel_step(
       tx: an optax transform whose first element averages gradients over ``axis_name``.
       mesh: a mesh with the axis ``axis_name`` (see :func:`make_mesh`).
       axis_name: the data-parallel mesh axis.
+      local_axis: the mesh axis of a node's devices (``make_mesh(local_devices=L)``):
+        the batch, per-worker state and the non-finite decision span both axes; ``tx``
+        must then be hierarchical (``local_axis=...`` in the transforms) or flat over both
+        axes (``axis_name=("data", "local")``). Default: the mesh's axis named
+        ``"local"`` if it has one.
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       with_model_state: the step carries non-trainable model state.
       with_rng: the step takes a PRNG key.
@@ -383,11 +469,26 @@ def data_parallel_step(
     """
     if axis_name not in mesh.shape:
         raise ValueError(f"Mesh axes are {tuple(mesh.shape)}; axis_name '{axis_name}' is not one.")
+    if local_axis is None and LOCAL_AXIS in mesh.shape and axis_name != LOCAL_AXIS:
+        local_axis = LOCAL_AXIS
+    if local_axis is not None and (local_axis not in mesh.shape or local_axis == axis_name):
+        raise ValueError(
+            f"Mesh axes are {tuple(mesh.shape)}; local_axis '{local_axis}' is not one other "
+            f"than axis_name '{axis_name}'."
+        )
+    workers = {axis_name, local_axis} - {None}
+    if set(mesh.axis_names) != workers:
+        raise ValueError(
+            f"The mesh has axes {tuple(mesh.axis_names)} but the step maps workers over "
+            f"{tuple(sorted(workers))}: every mesh axis must be a data-parallel axis. Build "
+            "the mesh with resireduce_jax.parallel.make_mesh."
+        )
     return DataParallelStep(
         loss_fn=loss_fn,
         tx=tx,
         mesh=mesh,
         axis_name=axis_name,
+        local_axis=local_axis,
         has_aux=has_aux,
         with_model_state=with_model_state,
         with_rng=with_rng,

@@ -32,7 +32,7 @@ import numpy as np
 from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import Compressor
-from resireduce_jax.exchange import DEFAULT_MIN_SIZE, ExchangeTransformation, exchange
+from resireduce_jax.exchange import DEFAULT_MIN_SIZE, AxisName, ExchangeTransformation, exchange
 from resireduce_jax.transforms import check_compressor, check_min_size
 from resireduce_jax.tree_paths import leaf_paths
 
@@ -180,8 +180,9 @@ def _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_s
 
 def resireduce(
     compressor: Compressor,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
     *,
+    local_axis: str | None = None,
     grouping: grouping_lib.Grouping | None = None,
     inter: Literal["none", "average", "weighted"] = "weighted",
     intra: Literal["none", "rows", "2d"] = "2d",
@@ -200,7 +201,13 @@ def resireduce(
 
     Args:
       compressor: a compressor from :mod:`resireduce_jax.compressors` (e.g. ``topk(0.01)``).
-      axis_name: the mapped axis of the data-parallel workers (shard_map or pmap).
+      axis_name: the mapped axis of the data-parallel workers (shard_map or pmap), or a
+        tuple of axes (a flat exchange over all of them).
+      local_axis: hierarchical exchange over a node's devices (``None``: flat). Every
+        store is sharded over ``local_axis`` (``1/L`` per device); member weights and
+        row/column norms are taken over the whole layer, and the selection along the
+        split dimension of an intra-layer store is made per shard
+        (:mod:`resireduce_jax.residual_stores`, :mod:`resireduce_jax.exchange`).
       grouping: which leaves share a residual: a labels pytree or a callable
         ``params -> labels`` (:mod:`resireduce_jax.grouping`); default
         ``grouping.auto()`` (adjacent same-role, same-shape leaves, up to 3).
@@ -280,4 +287,5 @@ def resireduce(
         min_size=min_size,
         seed=seed,
         name="resireduce",
+        local_axis=local_axis,
     )

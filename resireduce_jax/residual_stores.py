@@ -2,7 +2,8 @@
 
 ResiReduce (Zheng et al., "Saving Memory via Residual Reduction for DNN Training with
 Compressed Communication") keeps error-feedback residuals in less memory in two ways, and
-this module implements the storage side of both (it never communicates):
+this module implements the storage side of both (it communicates only the whole-layer
+statistics of sharded stores, below):
 
 * **Inter-layer** (§4.2): the members of a reusable group share one residual. After a step
   the group residual is rebuilt from the members' fresh residuals ``r_i``:
@@ -29,6 +30,17 @@ rows are the vocabulary entries. No transpose is materialized: the leaf is resha
 
 Residuals can be stored in a lower precision (``residual_dtype``, beyond the paper);
 accumulation always happens in float32 or wider.
+
+**Sharded stores** (the hierarchical exchange, beyond the paper; docs/design.md,
+"Hierarchical exchange"). With a local axis of ``L`` devices per node, a leaf's 2-D view
+``(A, B)`` is split along its axis 0 into ``L`` shards of ``ceil(A / L)`` rows (the last
+padded with zeros), and every store keeps one shard per device: the plan's ``group.shape``
+and ``view`` are the shard's, and :class:`Shard` says how the shard relates to the leaf.
+Statistics that need the whole layer are summed over the local axis: ResiReduce-w's member
+weights, and the L1 norms of the view's axis-1 indices (columns of a kernel's output units
+are rows in §4.3's sense). Indices along axis 0 are whole on one device, so their norms
+are exact locally, and every device keeps ``ceil(keep / L)`` of its own: the selection
+along the split dimension is made per shard, the other one is global.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ __all__ = [
     "DimensionNorms",
     "MatrixView",
     "RowsResidual",
+    "Shard",
     "StorePlan",
     "WeightedSum",
     "compensate",
@@ -58,6 +71,7 @@ __all__ = [
     "init_store",
     "matrix_view",
     "residual_weight",
+    "shard_store",
     "stored_bytes",
 ]
 
@@ -88,6 +102,35 @@ def matrix_view(path: str, shape: tuple[int, ...]) -> MatrixView:
     if path.rsplit("/", 1)[-1] == "embedding":
         return MatrixView((shape[0], math.prod(shape[1:])), row_axis=0)
     return MatrixView((math.prod(shape[:-1]), shape[-1]), row_axis=1)
+
+
+class Shard(NamedTuple):
+    """How a sharded store's arrays relate to the leaf: its 2-D view split along axis 0.
+
+    Attributes:
+      axis_name: the local mesh axis the shards are spread over.
+      count: shards per leaf (``L``, the local axis size).
+      leaf_shape: the full leaf's shape.
+      shape2d: the full leaf's 2-D view ``(A, B)``; a shard is ``(ceil(A / L), B)``.
+    """
+
+    axis_name: str
+    count: int
+    leaf_shape: tuple[int, ...]
+    shape2d: tuple[int, int]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the 2-D view per shard (``ceil(A / L)``)."""
+        return -(-self.shape2d[0] // self.count)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.shape2d[1])
+
+    @property
+    def leaf_size(self) -> int:
+        return math.prod(self.leaf_shape)
 
 
 class RowsResidual(NamedTuple):
@@ -124,6 +167,8 @@ class StorePlan:
       norm_source: what the row and column L1 norms of intra kinds are taken of:
         ``"residual"`` (the fresh residual, the paper §4.3) or ``"compensated"`` (the
         compensated gradient ``G~``, the reference code).
+      shard: set for a sharded store (:func:`shard_store`): ``group.shape`` and ``view``
+        are then one device's shard.
     """
 
     group: Group
@@ -136,10 +181,40 @@ class StorePlan:
     weight_source: Literal["residual", "compensated"] = "residual"
     selection: Selection = "top"
     norm_source: NormSource = "residual"
+    shard: Shard | None = None
 
     @property
     def shared(self) -> bool:
         return self.kind in ("average", "weighted")
+
+
+def shard_store(plan: StorePlan, axis_name: str, count: int) -> StorePlan:
+    """``plan`` for one of ``count`` devices sharing the store over ``axis_name``.
+
+    The leaf's 2-D view (:func:`matrix_view` of the group's shape) is split along axis 0;
+    the plan's group shape and view become the shard's, and the intra-layer selection
+    along the split dimension keeps ``ceil(keep / count)`` indices per shard (see the
+    module docstring). Per-device stored bytes are the unsharded plan's ``/ count``, up to
+    padding and indices.
+    """
+    group = plan.group
+    full_view = matrix_view(group.paths[0], group.shape)
+    shard = Shard(axis_name, count, tuple(group.shape), full_view.shape2d)
+    view = MatrixView(shard.shape, full_view.row_axis)
+    keep_rows, keep_cols = plan.keep_rows, plan.keep_cols
+    split = -(-(keep_rows if view.row_axis == 0 else keep_cols) // count)
+    if plan.kind in ("rows", "2d") and view.row_axis == 0:
+        keep_rows = min(split, shard.rows)
+    elif plan.kind == "2d":
+        keep_cols = min(split, shard.rows)
+    return dataclasses.replace(
+        plan,
+        group=dataclasses.replace(group, shape=shard.shape),
+        view=view if plan.kind in ("rows", "2d") else None,
+        keep_rows=keep_rows,
+        keep_cols=keep_cols,
+        shard=shard,
+    )
 
 
 def stored_bytes(plan: StorePlan) -> int:
@@ -202,12 +277,23 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     return g + stored.astype(g.dtype)
 
 
-def residual_weight(x: jax.Array, phi: float) -> jax.Array:
-    """ResiReduce-w weight ``phi ||x||_1 / n + (1 - phi) ||x||_2 / sqrt(n)`` (§4.2), float32."""
+def residual_weight(x: jax.Array, phi: float, shard: Shard | None = None) -> jax.Array:
+    """ResiReduce-w weight ``phi ||x||_1 / n + (1 - phi) ||x||_2 / sqrt(n)`` (§4.2), float32.
+
+    For a shard of a leaf (``shard``), the sums are taken over the whole leaf (``psum``
+    over the local axis) and ``n`` is the leaf's size, so every device of a node computes
+    the weight of the whole member.
+    """
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    n = x.size
-    l1 = jnp.sum(jnp.abs(x)) / n
-    l2 = jnp.sqrt(jnp.sum(x * x)) / math.sqrt(n)
+    if shard is None:
+        n = x.size
+        l1 = jnp.sum(jnp.abs(x)) / n
+        l2 = jnp.sqrt(jnp.sum(x * x)) / math.sqrt(n)
+    else:
+        n = shard.leaf_size
+        sums = lax.psum(jnp.stack([jnp.sum(jnp.abs(x)), jnp.sum(x * x)]), shard.axis_name)
+        l1 = sums[0] / n
+        l2 = jnp.sqrt(sums[1]) / math.sqrt(n)
     return phi * l1 + (1.0 - phi) * l2
 
 
@@ -263,6 +349,11 @@ def dimension_norms(plan: StorePlan, x: jax.Array) -> DimensionNorms:
     a = jnp.abs(x.reshape(view.shape2d).astype(jnp.promote_types(x.dtype, jnp.float32)))
     rows = jnp.sum(a, axis=1 - view.row_axis)
     cols = jnp.sum(a, axis=view.row_axis) if plan.kind == "2d" else None
+    if plan.shard is not None:  # sums over axis 0 are partial on a shard: whole-layer norms
+        if view.row_axis == 1:
+            rows = lax.psum(rows, plan.shard.axis_name)
+        elif cols is not None:
+            cols = lax.psum(cols, plan.shard.axis_name)
     return DimensionNorms(rows, cols)
 
 

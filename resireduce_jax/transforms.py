@@ -30,6 +30,7 @@ from typing import Any
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.exchange import (
     DEFAULT_MIN_SIZE,
+    AxisName,
     ExchangeTransformation,
     exchange,
     singleton_stores,
@@ -63,8 +64,9 @@ def check_compressor(compressor: Any) -> Compressor:
 
 def compressed_mean(
     compressor: Compressor,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
     *,
+    local_axis: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
 ) -> ExchangeTransformation:
@@ -76,7 +78,11 @@ def compressed_mean(
 
     Args:
       compressor: a compressor from :mod:`resireduce_jax.compressors`.
-      axis_name: the mapped axis of the data-parallel workers.
+      axis_name: the mapped axis of the data-parallel workers (a tuple of axes: all of
+        them, e.g. a flat exchange over a ``("data", "local")`` mesh).
+      local_axis: hierarchical exchange over a node's devices (dense reduce-scatter and
+        all-gather over ``local_axis``, compressed exchange over ``axis_name`` only;
+        :mod:`resireduce_jax.exchange`). ``None``: flat.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys of randomized compressors.
 
@@ -93,13 +99,15 @@ def compressed_mean(
         min_size=min_size,
         seed=seed,
         name="compressed_mean",
+        local_axis=local_axis,
     )
 
 
 def error_feedback(
     compressor: Compressor,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
     *,
+    local_axis: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
 ) -> ExchangeTransformation:
@@ -118,7 +126,11 @@ def error_feedback(
 
     Args:
       compressor: a compressor from :mod:`resireduce_jax.compressors`.
-      axis_name: the mapped axis of the data-parallel workers.
+      axis_name: the mapped axis of the data-parallel workers (a tuple of axes: all of
+        them, e.g. a flat exchange over a ``("data", "local")`` mesh).
+      local_axis: hierarchical exchange over a node's devices: residuals are sharded over
+        ``local_axis``, ``1/L`` of each per device, and error feedback acts on node means
+        (:mod:`resireduce_jax.exchange`). ``None``: flat.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys of randomized compressors.
 
@@ -138,4 +150,5 @@ def error_feedback(
         min_size=min_size,
         seed=seed,
         name="error_feedback",
+        local_axis=local_axis,
     )

@@ -31,15 +31,22 @@ def run_shard_map(
     params: Any,
     grads_per_step: list[Any],
     num_workers: int = 8,
+    *,
+    on_mesh: Any = None,
 ) -> tuple[list[Any], Any]:
     """Runs ``tx`` under shard_map. ``grads_per_step[t]`` leaves have a leading worker axis.
+
+    ``on_mesh``: a mesh to run on instead of the 1-D mesh of ``num_workers`` (e.g. a 2-D
+    ``(nodes, local)`` mesh; workers are then its devices in row-major order).
 
     Returns ``(outputs, state)``: ``outputs[t]`` leaves have a leading worker axis (each
     worker's copy of the update); ``state`` leaves have a leading worker axis (every leaf,
     replicated ones included, so workers can be compared).
     """
-    m = mesh(num_workers)
-    specs = rr.parallel.state_partition_specs(tx, params, m, AXIS)
+    m = on_mesh if on_mesh is not None else mesh(num_workers)
+    num_workers = m.size
+    axes = tuple(m.axis_names) if len(m.axis_names) > 1 else m.axis_names[0]
+    specs = rr.parallel.state_partition_specs(tx, params, m, axes)
     replicated_params = rr.parallel.replicated(params, m)
 
     def init(p):
@@ -61,13 +68,13 @@ def run_shard_map(
         jax.shard_map(
             step,
             mesh=m,
-            in_specs=(P(), specs, P(AXIS)),
-            out_specs=(P(AXIS), specs),
+            in_specs=(P(), specs, P(axes)),
+            out_specs=(P(axes), specs),
         )
     )
     outputs = []
     for grads in grads_per_step:
-        grads = jax.device_put(grads, NamedSharding(m, P(AXIS)))
+        grads = jax.device_put(grads, NamedSharding(m, P(axes)))
         out, state = fn(replicated_params, state, grads)
         outputs.append(jax.device_get(out))
     return outputs, jax.device_get(_broadcast_replicated(state, specs, num_workers))

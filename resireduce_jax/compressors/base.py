@@ -48,6 +48,7 @@ __all__ = [
     "dense_mean",
     "gathered_mean",
     "sparse_mean",
+    "zeros_varying_like",
 ]
 
 
@@ -224,6 +225,22 @@ def all_gather(x: jax.Array, axis_name: str) -> jax.Array:
     return lax.all_gather(x, axis_name, to="invarying")
 
 
+def zeros_varying_like(shape: tuple[int, ...], dtype: Any, *refs: PyTree) -> jax.Array:
+    """Zeros varying over the same mapped axes as ``refs``: the initial value of a
+    ``fori_loop`` whose body adds gathered payloads.
+
+    A payload gathered over one axis of a 2-D mesh still varies over the other (the
+    hierarchical exchange gathers over ``data`` values that differ along ``local``); a loop
+    carry must keep its type, so the accumulator starts as varying as what it receives.
+    """
+    zeros = jnp.zeros(shape, dtype)
+    axes: set[str] = set()
+    for ref in jax.tree.leaves(refs):
+        manual = getattr(jax.typeof(ref), "manual_axis_type", None)
+        axes.update(manual.varying if manual is not None else ())
+    return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
 def dense_mean(x: jax.Array, axis_name: str, out_dtype: Any | None = None) -> jax.Array:
     """All-reduces ``x`` (in its own dtype) and divides by the number of workers."""
     total = lax.psum(x, axis_name)
@@ -257,7 +274,8 @@ def sparse_mean(
         )
 
     acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
-    total = lax.fori_loop(0, workers, add_worker, jnp.zeros((n,), acc_dtype))
+    zeros = zeros_varying_like((n,), acc_dtype, all_values, all_indices)
+    total = lax.fori_loop(0, workers, add_worker, zeros)
     return (total / workers).astype(like.dtype).reshape(like.shape)
 
 
@@ -292,5 +310,6 @@ def gathered_mean(
         one = jax.tree.map(lambda g: lax.dynamic_index_in_dim(g, w, keepdims=False), gathered)
         return acc + decode(one).astype(acc_dtype)
 
-    total = lax.fori_loop(0, workers, add_worker, jnp.zeros(like.shape, acc_dtype))
+    zeros = zeros_varying_like(like.shape, acc_dtype, gathered)
+    total = lax.fori_loop(0, workers, add_worker, zeros)
     return (total / workers).astype(like.dtype)

@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from resireduce_jax.compressors.base import Compressor, all_gather, axis_size, gathered_mean
+from resireduce_jax.compressors.base import (
+    Compressor,
+    all_gather,
+    axis_size,
+    gathered_mean,
+    zeros_varying_like,
+)
 
 __all__ = [
     "EFSignSGD",
@@ -67,7 +73,8 @@ def majority_vote(packed: jax.Array, like: jax.ShapeDtypeStruct, axis_name: str)
         bits = jnp.unpackbits(lax.dynamic_index_in_dim(gathered, w, keepdims=False), count=n)
         return votes + (2 * bits.astype(jnp.int32) - 1)
 
-    votes = lax.fori_loop(0, axis_size(axis_name), add_worker, jnp.zeros((n,), jnp.int32))
+    zeros = zeros_varying_like((n,), jnp.int32, gathered)
+    votes = lax.fori_loop(0, axis_size(axis_name), add_worker, zeros)
     return jnp.sign(votes).astype(like.dtype).reshape(like.shape)
 
 
