@@ -109,9 +109,25 @@ def _keep_unless(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree.map(select, new, old, is_leaf=_is_skip_aware)
 
 
+def _decision_axes(axis_name: str | tuple[str, ...], leaves: list[jax.Array]):
+    """``axis_name`` and every other mapped axis the gradients vary over, in that order.
+
+    On a ``(data, local)`` mesh the gradients vary over both axes, so the decision covers
+    every device even when only ``"data"`` is named; under ``pmap`` (no varying-axis
+    types) it is ``axis_name``.
+    """
+    axes = list(axis_name) if isinstance(axis_name, tuple) else [axis_name]
+    for g in leaves:
+        manual = getattr(jax.typeof(g), "manual_axis_type", None)
+        for a in sorted(manual.varying) if manual is not None else ():
+            if a not in axes:
+                axes.append(a)
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
 def skip_nonfinite(
     inner: optax.GradientTransformation,
-    axis_name: str = "data",
+    axis_name: str | tuple[str, ...] = "data",
     *,
     strict: bool = True,
     guard_optimizer_state: bool = True,
@@ -121,7 +137,9 @@ def skip_nonfinite(
     Args:
       inner: the transform to protect, typically the whole chain
         ``optax.chain(resireduce(...), optimizer)``.
-      axis_name: the data-parallel axis the workers are mapped over.
+      axis_name: the data-parallel axis (or axes) the workers are mapped over. The
+        decision also spans every other mapped axis the gradients vary over (the
+        ``local`` axis of a hierarchical mesh), so all devices skip together.
       strict: decide before the exchange, so that a skipped step leaves every state
         (residuals included) bit-identical; keeps all gradients alive until the decision.
         ``False``: the lean mode (see the module docstring).
@@ -147,11 +165,12 @@ def skip_nonfinite(
     def update_fn(updates, state, params=None):
         check_axis_bound(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
+        axes = _decision_axes(axis_name, leaves)
         bad = [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves]
         first_bad = jnp.asarray(NO_BAD_LEAF, jnp.int32)
         for i in reversed(range(len(leaves))):
             first_bad = jnp.where(bad[i], jnp.int32(i), first_bad)
-        bad_leaf = lax.pmin(first_bad, axis_name)
+        bad_leaf = lax.pmin(first_bad, axes)
         ok = bad_leaf == NO_BAD_LEAF
         skip = jnp.logical_not(ok)
         if strict:  # one decision before anything is sent: G + R == R on a skipped step

@@ -369,3 +369,36 @@ def _dense_block(stored, d, plan):
     dense = np.zeros(store.group.shape, np.float32)
     dense[np.ix_(stored.rows[d], stored.cols[d])] = stored.values[d]
     return dense
+
+
+def test_a_nan_on_one_device_skips_the_step_on_every_node_and_device():
+    """``skip_nonfinite`` with the default axis decides over both axes of the mesh."""
+    mesh = rr.parallel.make_mesh(W, local_devices=L)
+    tx = rr.skip_nonfinite(
+        optax.chain(
+            rr.resireduce(
+                rr.compressors.topk(DENSITY),
+                intra_layers="embed",
+                min_size=MIN_SIZE,
+                local_axis="local",
+            ),
+            rr.optimizers.sgd(0.1, momentum=0.9),
+        )
+    )
+
+    def loss(p, batch):
+        return sum(jax.numpy.sum(x * batch["scale"][0]) for x in jax.tree.leaves(p))
+
+    step = rr.parallel.data_parallel_step(loss, tx, mesh)
+    params, state = step.init(jax.tree.map(np.ones_like, PARAMS))
+    scale = np.arange(1, W + 1, dtype=np.float32)[:, None]
+    params, state, _ = step(params, state, rr.parallel.shard_batch({"scale": scale}, mesh))
+    before = jax.device_get((params, state))
+    scale[6, 0] = np.nan  # one device of the second node
+    params, state, _ = step(params, state, rr.parallel.shard_batch({"scale": scale}, mesh))
+    after = jax.device_get((params, state))
+    assert int(after[1].skipped) == 1
+    jax.tree.map(np.testing.assert_array_equal, before[0], after[0])
+    (exchange,) = rr.exchange.exchange_states(after[1])
+    (exchange_before,) = rr.exchange.exchange_states(before[1])
+    jax.tree.map(np.testing.assert_array_equal, exchange_before.residuals, exchange.residuals)

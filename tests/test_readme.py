@@ -28,3 +28,21 @@ def test_optax_chain_example_runs_and_reports_the_saving():
     assert float(saved.group(1)) == round(100 * (4 - 1.25) / 16, 1)
     loss = float(done.stdout.split("loss")[-1])
     assert 0.0 < loss < 1.0
+
+
+def test_hierarchical_example_runs_after_the_main_one():
+    main, hierarchical = (b for b in _python_blocks() if "rr.resireduce(" in b)
+    flat_bytes = "\nflat = exchange.plan(params).residual_bytes()\n"
+    script = main + flat_bytes + hierarchical + "\nprint('flat', flat, 'loss', metrics['loss'])\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    per_device, rest = done.stdout.strip().splitlines()[-2:]
+    _, flat, _, loss = rest.split()
+    # Flat: the shared residual (256 x 256) + dense_0's 128 x 128 block + 256 indices.
+    assert int(flat) == (256 * 256 + 128 * 128) * 4 + (128 + 128) * 4
+    # Per device: a quarter of the shared residual; dense_0 keeps its 128 global output
+    # units x 128 / 4 of its own input rows, with all 128 + 32 indices.
+    assert int(per_device) == (256 * 256 // 4 + 128 * 32) * 4 + (128 + 32) * 4
+    assert 0.0 < float(loss) < 1.0
