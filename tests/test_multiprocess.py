@@ -245,6 +245,25 @@ def flat_params(state) -> np.ndarray:
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(state["params"])])
 
 
+def assert_close_to_one_process(multi_dir: str, config, single_dir: str) -> None:
+    """Trains ``config`` in this process (all its workers here) into ``single_dir`` and
+    checks the multi-process run in ``multi_dir`` against it: the same train losses
+    (rtol 1e-4) and params within 5 % of the distance travelled from the initial ones."""
+    summary = train.train_and_evaluate(config, single_dir)
+    assert summary.step == config.num_steps
+    run = train.build_run(config)
+    init = jax.device_get(train.initial_state(run).params)
+    start = np.concatenate([np.ravel(x) for x in jax.tree.leaves(init)])
+
+    multi, single = train.final_state(multi_dir), train.final_state(single_dir)
+    moved = np.linalg.norm(flat_params(single) - start)
+    drift = np.linalg.norm(flat_params(multi) - flat_params(single))
+    assert moved > 0 and drift / moved < 0.05, (drift, moved)
+    chex.assert_trees_all_equal_shapes_and_dtypes(multi, single)
+    loss = lambda w: [r["loss"] for r in metrics_lib.read_metrics(w) if r["split"] == "train"]
+    np.testing.assert_allclose(loss(multi_dir), loss(single_dir), rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted 2-process x 2-device run of JOB."""
@@ -285,21 +304,7 @@ def test_two_by_two_processes_are_close_to_one_process_with_four_workers(referen
     the distance travelled after 24 steps). A wrong data shard or a broken exchange moves
     the params by the order of the distance travelled itself.
     """
-    config = config_for(JOB)
-    single_dir = str(tmp_path / "single")
-    summary = train.train_and_evaluate(config, single_dir)
-    assert summary.step == JOB["num_steps"]
-    run = train.build_run(config)
-    init = jax.device_get(train.initial_state(run).params)
-    start = np.concatenate([np.ravel(x) for x in jax.tree.leaves(init)])
-
-    multi, single = train.final_state(reference), train.final_state(single_dir)
-    moved = np.linalg.norm(flat_params(single) - start)
-    drift = np.linalg.norm(flat_params(multi) - flat_params(single))
-    assert moved > 0 and drift / moved < 0.05, (drift, moved)
-    chex.assert_trees_all_equal_shapes_and_dtypes(multi, single)
-    loss = lambda w: [r["loss"] for r in metrics_lib.read_metrics(w) if r["split"] == "train"]
-    np.testing.assert_allclose(loss(reference), loss(single_dir), rtol=1e-4)
+    assert_close_to_one_process(reference, config_for(JOB), str(tmp_path / "single"))
 
 
 # ------------------------------------------------------------------ preemption and crashes

@@ -158,32 +158,33 @@ def test_worker_count_change_policy(tmp_path):
     assert all(s[0] == 4 for s in per_worker_new)
 
 
+def restore_checkpoint(workdir: str, config, step: int, on_worker_change: str = "average"):
+    """Checkpoint ``step`` of ``workdir`` restored (to host) into ``config``'s layout with
+    the run's redistribution, under ``on_worker_change``, without training."""
+    run = train.build_run(config)
+    state = train.initial_state(run)
+    ckpt = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=3,
+        num_workers=config.num_workers,
+        on_worker_change=on_worker_change,
+        local_devices=run.local_devices,
+    )
+    like = {"params": state.params, "opt_state": state.opt_state, "model_state": state.model_state}
+    redistribute = train.worker_redistribution(run, state.abstract_params)
+    try:
+        restored = ckpt.restore(step, like, state.step_fn.state_specs, run.mesh, redistribute)
+    finally:
+        ckpt.close()
+    return jax.device_get(restored)
+
+
 def test_mean_redistribution_keeps_the_pending_update(tmp_path):
     """Each new worker gets the old workers' mean residual, so mean_w R_w is unchanged."""
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(small_digits(), workdir, halt_after_step=4)
-
-    def restore(config):
-        run = train.build_run(config)
-        state = train.initial_state(run)
-        ckpt = checkpointing.Checkpointer(
-            os.path.join(workdir, "checkpoints"),
-            keep=3,
-            num_workers=config.num_workers,
-            on_worker_change="average",
-        )
-        like = {
-            "params": state.params,
-            "opt_state": state.opt_state,
-            "model_state": state.model_state,
-        }
-        redistribute = train.worker_redistribution(run, state.abstract_params)
-        restored = ckpt.restore(4, like, state.step_fn.state_specs, run.mesh, redistribute)
-        ckpt.close()
-        return jax.device_get(restored)
-
-    old = restore(small_digits())
-    restored = restore(small_digits(num_workers=2, batch_size_per_worker=64))
+    old = restore_checkpoint(workdir, small_digits(), 4)
+    restored = restore_checkpoint(workdir, small_digits(num_workers=2, batch_size_per_worker=64), 4)
     # The shared group residual (dense) is averaged exactly.
     (state_old,) = [x for x in _nodes(old) if isinstance(x, rr.ExchangeState)]
     (state_new,) = [x for x in _nodes(restored) if isinstance(x, rr.ExchangeState)]
@@ -278,9 +279,7 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
         assert json.load(f)["compression"]["variant"] == "ef"
 
 
-def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(
-    tmp_path, capsys
-):
+def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(tmp_path, capsys):
     config = small_digits(**{"compression.variant": "w+2d"})
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     out = capsys.readouterr().out

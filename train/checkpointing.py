@@ -2,20 +2,28 @@
 
 A checkpoint holds ``{"step", "params", "opt_state", "model_state"}`` as global arrays
 (per-worker optimizer-state leaves — residuals — keep their leading worker axis) plus a
-JSON record of how it was written (number of workers, which leaves are per worker).
+JSON record of how it was written (number of workers, devices per node for the
+hierarchical exchange, which leaves are per worker).
 Orbax writes into a temporary directory (``<step>.orbax-checkpoint-tmp-*``), puts a commit
 marker (``commit_success.txt``) in it and renames it when complete, so a checkpoint
 interrupted mid-write (SIGKILL, node failure) is never listed as restorable. A step
 directory without the marker (e.g. a workdir copy that was cut short) is not complete
 either: :class:`Checkpointer` moves it aside to ``<step>.uncommitted`` with a warning.
 
-Changing the number of workers between runs (``on_worker_change``):
+Changing the number of workers between runs, or the devices per node
+(``local_devices``: a hierarchical run keeps each residual sharded over a node's devices,
+so a device's residual arrays depend on it), follows ``on_worker_change``:
 
-* ``"error"`` (default): refuse, saying how many workers wrote the checkpoint.
+* ``"error"`` (default): refuse, naming the layout that wrote the checkpoint and this
+  run's.
 * ``"average"``: give every new worker the mean of the old workers' per-worker leaves
   (residuals). The next update applies ``mean_w R_w``, the part of the gradient that the
   old workers still owed, so that pending global update is preserved exactly; how it is
-  split across workers is lost. Logged as a warning.
+  split across workers is lost. Sharded residuals are put back together per node and
+  re-sharded for the new layout by the ``redistribute`` function
+  (``train.train.worker_redistribution``). Logged as a warning.
+
+An unset ``local_devices`` (flat exchange) and ``local_devices=1`` are the same layout.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,7 +57,22 @@ COMMIT_MARKER = "commit_success.txt"
 
 
 class WorkerCountMismatch(ValueError):
-    """A checkpoint written with a different number of workers, and policy ``"error"``."""
+    """A checkpoint written with a different number of workers (or devices per node), and
+    policy ``"error"``."""
+
+
+def _layout(num_workers: int, local_devices: int | None) -> str:
+    """``"8 workers"``, or ``"8 workers as 2 nodes x 4 devices (local_devices=4)"``."""
+    if not local_devices:
+        return f"{num_workers} workers"
+    nodes = num_workers // local_devices
+    per_node = f"{local_devices} devices (local_devices={local_devices})"
+    return f"{num_workers} workers as {nodes} nodes x {per_node}"
+
+
+def _layout_flags(num_workers: int, local_devices: int | None) -> str:
+    local = f"--config.local_devices={local_devices}" if local_devices else "local_devices unset"
+    return f"--config.num_workers={num_workers} and {local}"
 
 
 def _is_per_worker(spec: Any) -> bool:
@@ -60,12 +84,17 @@ def _place(x: np.ndarray, mesh, spec: P) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def mean_per_worker(opt_state: PyTree, specs: PyTree, num_workers: int) -> PyTree:
+def mean_per_worker(
+    opt_state: PyTree, specs: PyTree, num_workers: int, saved_local_devices: int | None = None
+) -> PyTree:
     """Every per-worker leaf becomes its mean over the old workers, repeated per new worker.
 
     Refuses integer per-worker leaves (e.g. the row indices of ResiReduce's compressed
     residuals): they cannot be averaged; pass a ``redistribute`` that understands them.
+    Shapes are kept, so residuals sharded for another ``saved_local_devices`` need such a
+    ``redistribute`` too (:meth:`Checkpointer.restore` says so).
     """
+    del saved_local_devices
 
     def leaf(x, spec):
         if not _is_per_worker(spec):
@@ -79,6 +108,31 @@ def mean_per_worker(opt_state: PyTree, specs: PyTree, num_workers: int) -> PyTre
         return np.ascontiguousarray(np.broadcast_to(mean, (num_workers, *mean.shape)))
 
     return jax.tree.map(leaf, opt_state, specs)
+
+
+def _metadata_key(key: Any) -> Any:
+    """A pytree path entry as orbax's metadata tree indexes it (names and dict keys)."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.DictKey):
+        return key.key
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return key.idx
+    return key
+
+
+def _check_shapes(host: PyTree, like: PyTree, specs: PyTree, old: str, new: str) -> None:
+    """Raises ValueError if redistributed per-worker leaves are not shaped for this run."""
+
+    def check(x, a, s):
+        if _is_per_worker(s) and tuple(np.shape(x)) != tuple(a.shape):
+            raise ValueError(
+                f"Redistributing per-worker state written by {old} to {new} gave shape "
+                f"{np.shape(x)} where this run needs {a.shape}: pass a redistribute function "
+                "that knows the residual layout (train.train.worker_redistribution)."
+            )
+
+    jax.tree.map(check, host, like, specs)
 
 
 def is_committed(step_dir: str) -> bool:
@@ -116,9 +170,18 @@ def _set_aside_uncommitted(directory: str) -> None:
 class Checkpointer:
     """Saves and restores train states in ``directory`` (one sub-directory per step)."""
 
-    def __init__(self, directory: str, *, keep: int, num_workers: int, on_worker_change: str):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        keep: int,
+        num_workers: int,
+        on_worker_change: str,
+        local_devices: int | None = None,
+    ):
         self.directory = os.path.abspath(directory)
         self.num_workers = num_workers
+        self.local_devices = local_devices or None  # 0 and None: the flat exchange
         self.on_worker_change = on_worker_change
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"Checkpoint path {self.directory} exists and is not a directory.")
@@ -144,7 +207,12 @@ class Checkpointer:
             )[0]
             if _is_per_worker(spec)
         ]
-        meta = {"num_workers": self.num_workers, "step": int(step), "per_worker": per_worker}
+        meta = {
+            "num_workers": self.num_workers,
+            "local_devices": self.local_devices,
+            "step": int(step),
+            "per_worker": per_worker,
+        }
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -164,7 +232,7 @@ class Checkpointer:
         like: PyTree,
         state_specs: PyTree,
         mesh,
-        redistribute: Callable[[PyTree, PyTree, int], PyTree] | None = None,
+        redistribute: Callable[..., PyTree] | None = None,
     ) -> PyTree:
         """Restores the checkpoint of ``step`` into arrays laid out like ``like``.
 
@@ -174,11 +242,14 @@ class Checkpointer:
           state_specs: PartitionSpecs of ``like["opt_state"]`` (per-worker leaves ``P(axis)``).
           mesh: the current mesh.
           redistribute: for ``on_worker_change="average"``: maps the old optimizer state
-            (host arrays, per-worker leaves with ``W_old`` rows), its specs and the new
-            worker count to the new host state; default :func:`mean_per_worker`.
+            (host arrays, per-worker leaves with ``W_old`` rows, shaped as saved), its specs
+            and the new worker count to the new host state, with the keyword
+            ``saved_local_devices`` (the checkpoint's devices per node, ``None``: flat).
+            Default :func:`mean_per_worker` (same per-worker shapes only).
 
         Raises:
-          WorkerCountMismatch: written by another number of workers, policy ``"error"``.
+          WorkerCountMismatch: written by another number of workers or devices per node,
+            policy ``"error"``.
           ValueError: the checkpoint is unreadable or does not match this model/optimizer.
         """
         try:
@@ -191,35 +262,49 @@ class Checkpointer:
                 "Delete that step's directory to resume from an older one, or start a new workdir."
             ) from e
         old_workers = int(meta["num_workers"])
+        old_local = meta.get("local_devices") or None  # absent: written before issue 13
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
         )
         opt_specs = state_specs
-        if old_workers != self.num_workers:
+        relayout = (old_local or 1) != (self.local_devices or 1)
+        changed = old_workers != self.num_workers or relayout
+        if changed:
+            old, new = (
+                _layout(old_workers, old_local),
+                _layout(self.num_workers, self.local_devices),
+            )
             if self.on_worker_change != "average":
                 raise WorkerCountMismatch(
-                    f"Checkpoint {step} in {self.directory} was written by {old_workers} workers; "
-                    f"this run has {self.num_workers}. Per-worker error-feedback residuals cannot "
-                    f"be mapped 1:1. Run with num_workers={old_workers}, or set "
-                    "--config.on_worker_change=average to give every worker the old workers' "
-                    "mean residual (the pending global update is kept)."
+                    f"Checkpoint {step} in {self.directory} was written by {old}; this run has "
+                    f"{new}. Per-worker error-feedback residuals"
+                    + (
+                        " (sharded over a node's devices)"
+                        if old_local or self.local_devices
+                        else ""
+                    )
+                    + f" cannot be mapped 1:1. Run with {_layout_flags(old_workers, old_local)}, "
+                    "or set --config.on_worker_change=average to give every worker the old "
+                    "workers' mean residual (the pending global update is kept)."
                 )
             log.warning(
-                "Checkpoint %d was written by %d workers, this run has %d: per-worker state "
+                "Checkpoint %d was written by %s, this run has %s: per-worker state "
                 "(residuals) is replaced by its mean over the old workers.",
                 step,
-                old_workers,
-                self.num_workers,
+                old,
+                new,
             )
             replicated = NamedSharding(mesh, P())
+            saved_shapes = self._saved_per_worker_shapes(step, abstract["opt_state"], opt_specs)
             abstract["opt_state"] = jax.tree.map(
-                lambda a, s: (
-                    jax.ShapeDtypeStruct((old_workers, *a.shape[1:]), a.dtype, sharding=replicated)
+                lambda a, s, shape: (
+                    jax.ShapeDtypeStruct(shape, a.dtype, sharding=replicated)
                     if _is_per_worker(s)
                     else a
                 ),
                 abstract["opt_state"],
                 opt_specs,
+                saved_shapes,
             )
         try:
             restored = self._manager.restore(
@@ -231,17 +316,41 @@ class Checkpointer:
                 f"optimizer or compression settings ({type(e).__name__}: {e}). Use the same "
                 "config as the run that wrote it, or a new workdir."
             ) from e
-        if old_workers != self.num_workers:
+        if changed:
             host = jax.tree.map(
                 lambda x, s: np.asarray(x) if _is_per_worker(s) else x,
                 restored["opt_state"],
                 opt_specs,
             )
-            host = (redistribute or mean_per_worker)(host, opt_specs, self.num_workers)
+            host = (redistribute or mean_per_worker)(
+                host, opt_specs, self.num_workers, saved_local_devices=old_local
+            )
+            _check_shapes(host, like["opt_state"], opt_specs, old, new)
             restored["opt_state"] = jax.tree.map(
                 lambda x, s: _place(x, mesh, s) if _is_per_worker(s) else x, host, opt_specs
             )
         return restored
+
+    def _saved_per_worker_shapes(self, step: int, abstract: PyTree, specs: PyTree) -> PyTree:
+        """The shapes the checkpoint holds for the leaves of ``abstract`` (the optimizer
+        state): per-worker leaves may be shaped by the old layout (sharded residuals)."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            path = epath.Path(self.directory) / str(step) / "state"
+            metadata = handler.metadata(path)["opt_state"]
+        finally:
+            handler.close()
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        shapes = []
+        for path, leaf in flat:
+            node = metadata
+            try:
+                for key in path:
+                    node = node[_metadata_key(key)]
+                shapes.append(tuple(node.shape))
+            except (KeyError, IndexError, TypeError, AttributeError):
+                shapes.append(tuple(leaf.shape))  # not found: as this run has it
+        return jax.tree_util.tree_unflatten(treedef, shapes)
 
     def close(self) -> None:
         self._manager.wait_until_finished()

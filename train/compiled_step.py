@@ -9,6 +9,10 @@ compiles the configured residual variant beside plain error feedback and dense e
 and returns the per-worker peaks (``argument + output - alias + temp``,
 :func:`resireduce_jax.hlo.peak_memory`) with a short text table.
 
+With ``config.local_devices`` (the hierarchical exchange) the mesh is nodes × devices per
+node (:func:`build_mesh`), the exchange is sharded over a node's devices and every figure
+is per device (:func:`state_bytes`).
+
 Variants use the config vocabulary (``train.config_schema.VARIANTS``: ``dense``, ``none``,
 ``ef``, ``a``, ``w``, ``2d``, ``w+2d``, ...) plus a ``+bf16`` suffix for residuals stored
 in bfloat16 (``compression.residual_dtype="bfloat16"``), e.g. ``w+2d+bf16``.
@@ -36,14 +40,17 @@ __all__ = [
     "CompiledStep",
     "MemoryReport",
     "abstract_batch",
+    "build_mesh",
     "build_step",
     "build_task",
     "build_train_tx",
     "compile_step",
     "dataset_kind",
     "memory_report",
+    "state_bytes",
     "variant_label",
     "with_variant",
+    "worker_axes",
 ]
 
 AXIS = "data"  # train.train.AXIS
@@ -78,6 +85,22 @@ def variant_label(config: ml_collections.ConfigDict) -> str:
     return comp.variant + (BF16_SUFFIX if bf16 else "")
 
 
+def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:
+    """The mesh axes the workers span: ``"data"``, or ``("data", "local")`` with
+    ``local_devices`` (batch, per-worker state and the non-finite decision span both)."""
+    if config_schema.local_devices(config):
+        return (AXIS, rr.parallel.LOCAL_AXIS)
+    return AXIS
+
+
+def build_mesh(config: ml_collections.ConfigDict, num_workers: int | None = None):
+    """The run's mesh: ``num_workers`` (default the config's) devices, flat or, with
+    ``local_devices``, nodes × devices per node (:func:`resireduce_jax.parallel.make_mesh`)."""
+    return rr.parallel.make_mesh(
+        num_workers or config.num_workers, AXIS, config_schema.local_devices(config)
+    )
+
+
 def build_train_tx(
     config: ml_collections.ConfigDict,
     steps_per_epoch: float,
@@ -85,9 +108,28 @@ def build_train_tx(
     *,
     guard: bool = True,
 ) -> optax.GradientTransformation:
-    """The chain a run trains with: ``build_tx``, inside ``skip_nonfinite`` when guarded."""
-    tx = factory.build_tx(config, steps_per_epoch, total_steps)
-    return rr.skip_nonfinite(tx, AXIS) if guard else tx
+    """The chain a run trains with: ``build_tx``, inside ``skip_nonfinite`` when guarded.
+
+    Hierarchical (``local_devices``): the exchange over the local axis, and the guard
+    decides over every device (both worker axes).
+    """
+    tx = factory.build_tx(
+        config, steps_per_epoch, total_steps, local_axis=factory.local_axis(config)
+    )
+    return rr.skip_nonfinite(tx, worker_axes(config)) if guard else tx
+
+
+def state_bytes(params, tx: optax.GradientTransformation, mesh) -> rr.memory.ModelStateBytes:
+    """:func:`resireduce_jax.memory.model_state_bytes` of one device of ``mesh``.
+
+    A hierarchical exchange's state depends on the local axis size, known inside
+    ``shard_map`` only: on a 2-D mesh ``tx.init`` is traced there (shapes only), so
+    sharded residuals count ``1/L`` per device.
+    """
+    if len(mesh.axis_names) == 1:
+        return rr.memory.model_state_bytes(params, tx)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
+    return rr.memory.model_state_bytes(params, optax.GradientTransformation(init, tx.update))
 
 
 def build_step(task: tasks.Task, tx: optax.GradientTransformation, mesh):
@@ -134,6 +176,7 @@ class CompiledStep:
     tx: optax.GradientTransformation
     compile_seconds: float
     variant: str = ""
+    mesh: Any = None
 
     @property
     def peak(self) -> rr.hlo.PeakMemory:
@@ -168,7 +211,8 @@ def compile_step(
     num_workers = num_workers or config.num_workers
     task = task or build_task(config)
     kind = {v: k for k, v in tasks.DATASET_TASK.items()}[task.kind]
-    mesh = rr.parallel.make_mesh(num_workers, AXIS)
+    mesh = build_mesh(config, num_workers)
+    axes = worker_axes(config)
     replicated = NamedSharding(mesh, P())
     batch = abstract_batch(task.model_config, kind, num_workers * batch_per_worker, seq_len)
     per_worker = {
@@ -179,26 +223,30 @@ def compile_step(
 
     tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
     step = build_step(task, tx, mesh)
-    step.state_specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, AXIS)
+    step.state_specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, axes)
     sharded_params = _on(replicated, params)
     model_state = _on(replicated, variables)
-    global_batch = _on(NamedSharding(mesh, P(AXIS)), batch)
+    global_batch = _on(NamedSharding(mesh, P(axes)), batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     start = time.perf_counter()
     compiled = step.lower(sharded_params, opt_state, model_state, global_batch, rng).compile()
-    return CompiledStep(
-        compiled, params, tx, time.perf_counter() - start, variant=variant_label(config)
-    )
+    seconds = time.perf_counter() - start
+    return CompiledStep(compiled, params, tx, seconds, variant=variant_label(config), mesh=mesh)
 
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Compiled per-worker peaks of the configured variant, plain EF and dense exchange."""
+    """Compiled per-worker peaks of the configured variant, plain EF and dense exchange.
+
+    With ``local_devices`` (hierarchical) a worker is one device of a node; ``residuals``
+    are then one device's shards.
+    """
 
     num_workers: int
     batch_per_worker: int
     guard: bool
     rows: list[dict[str, Any]]  # variant, peak, temp, argument, output, alias, residuals
+    local_devices: int | None = None
 
     def row(self, variant: str) -> dict[str, Any]:
         return next(r for r in self.rows if r["variant"] == variant)
@@ -208,8 +256,12 @@ class MemoryReport:
 
     def text(self) -> str:
         ef = self.row("ef")["peak"]
+        layout = f"{self.num_workers} workers"
+        if self.local_devices:
+            nodes = self.num_workers // self.local_devices
+            layout += f" as {nodes} nodes x {self.local_devices} devices, hierarchical exchange"
         lines = [
-            f"Compiled train step per worker ({self.num_workers} workers, "
+            f"Compiled train step per worker ({layout}, "
             f"{self.batch_per_worker} per worker, skip_nonfinite {'on' if self.guard else 'off'}"
             "; peak = argument + output - alias + temp):",
             f"  {'variant':<12s} {'peak MiB':>10s} {'temp MiB':>10s} {'residuals MiB':>14s} "
@@ -257,7 +309,7 @@ def memory_report(
             total_steps=total_steps,
             task=task,
         )
-        states = rr.memory.model_state_bytes(step.params, step.tx)
+        states = state_bytes(step.params, step.tx, step.mesh)
         rows.append(
             {
                 "variant": variant,
@@ -267,4 +319,6 @@ def memory_report(
             }
         )
         del step
-    return MemoryReport(num_workers, batch_per_worker, guard, rows)
+    return MemoryReport(
+        num_workers, batch_per_worker, guard, rows, config_schema.local_devices(config)
+    )

@@ -16,7 +16,15 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-__all__ = ["VARIANTS", "ConfigError", "base_config", "parse_variant", "validate"]
+__all__ = [
+    "VARIANTS",
+    "ConfigError",
+    "base_config",
+    "check_processes",
+    "local_devices",
+    "parse_variant",
+    "validate",
+]
 
 # Residual variant -> (inter, intra) of resireduce_jax.resireduce; see parse_variant.
 VARIANTS = ("dense", "none", "ef", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
@@ -37,6 +45,13 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.num_workers = 8
+    # Devices per node for the hierarchical exchange (beyond the paper): the mesh becomes
+    # nodes x local_devices, gradients are reduced densely inside a node, compressed across
+    # nodes, and every residual is sharded over the node's devices (1/local_devices of it
+    # per device). Must divide num_workers; multi-process runs put one node in one process
+    # (devices per process a multiple of it; one process per node: equal). None or 0 =
+    # flat (every device compresses and keeps a full residual); 1 = the flat result.
+    c.local_devices = config_dict.placeholder(int)
 
     c.model = ml_collections.ConfigDict()
     c.model.name = "digits_mlp"
@@ -154,6 +169,16 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _known_keys(base_config(), config, "")
     c = config
     _check(isinstance(c.num_workers, int) and c.num_workers >= 1, "num_workers must be >= 1.")
+    _check(
+        c.local_devices is None
+        or (isinstance(c.local_devices, int) and not isinstance(c.local_devices, bool)),
+        f"local_devices must be an integer (devices per node) or unset, got {c.local_devices!r}.",
+    )
+    _check(
+        not c.local_devices or (c.local_devices >= 1 and c.num_workers % c.local_devices == 0),
+        f"local_devices={c.local_devices} must be >= 1 and divide num_workers={c.num_workers} "
+        "(every node has the same number of devices); unset it (or 0) for the flat exchange.",
+    )
     _check(c.batch_size_per_worker >= 1, "batch_size_per_worker must be >= 1.")
     _check(
         (c.num_steps is None) != (c.num_epochs is None),
@@ -246,6 +271,30 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             f"remat.budget={c.remat.budget!r} (or memory.budget).",
         )
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
+
+
+def local_devices(config: ml_collections.ConfigDict) -> int | None:
+    """``config.local_devices`` as the mesh takes it: ``None`` (flat) for unset or 0."""
+    return config.get("local_devices") or None
+
+
+def check_processes(config: ml_collections.ConfigDict, num_processes: int) -> None:
+    """Raises :class:`ConfigError` if the workers do not split over ``num_processes``, or a
+    node (``local_devices``) would span processes."""
+    _check(
+        config.num_workers % num_processes == 0,
+        f"num_workers={config.num_workers} does not split over {num_processes} processes; set "
+        "--config.num_workers to a multiple of --num_processes.",
+    )
+    per_process = config.num_workers // num_processes
+    local = local_devices(config)
+    _check(
+        local is None or per_process % local == 0,
+        f"local_devices={local} does not fit {per_process} devices per process "
+        f"(num_workers={config.num_workers} over {num_processes} processes): a node's devices "
+        f"must belong to one process; run one process per node (local_devices={per_process}) "
+        "or use a local_devices that divides the devices per process.",
+    )
 
 
 def free_form(section: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -52,6 +52,7 @@ __all__ = [
     "build_schedule",
     "build_store_plans",
     "build_tx",
+    "local_axis",
     "resireduce_arguments",
 ]
 
@@ -90,19 +91,35 @@ def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
     return rr.grouping.auto(comp.max_group_size or None)
 
 
+def local_axis(config: ml_collections.ConfigDict) -> str | None:
+    """The mesh axis of a node's devices when ``config.local_devices`` is set, else ``None``."""
+    return rr.parallel.LOCAL_AXIS if config_schema.local_devices(config) else None
+
+
 def build_exchange(
-    comp: ml_collections.ConfigDict, *, variant: str | None = None, axis_name: str = "data"
+    comp: ml_collections.ConfigDict,
+    *,
+    variant: str | None = None,
+    axis_name: str = "data",
+    local_axis: str | None = None,
 ) -> optax.GradientTransformation:
-    """The gradient-exchange transform of a residual ``variant`` (default: the config's)."""
+    """The gradient-exchange transform of a residual ``variant`` (default: the config's).
+
+    ``local_axis``: the hierarchical exchange over a node's devices (``config.local_devices``;
+    :func:`local_axis`), ``None``: flat.
+    """
     variant = variant or comp.variant
+    options = {"min_size": comp.min_size, "local_axis": local_axis}
     if variant == "dense":
-        return rr.compressed_mean(rr.compressors.none(), axis_name, min_size=comp.min_size)
+        return rr.compressed_mean(rr.compressors.none(), axis_name, **options)
     compressor = build_compressor(comp)
     if variant == "none":
-        return rr.compressed_mean(compressor, axis_name, min_size=comp.min_size)
+        return rr.compressed_mean(compressor, axis_name, **options)
     if variant == "ef":
-        return rr.error_feedback(compressor, axis_name, min_size=comp.min_size)
-    return rr.resireduce(compressor, axis_name, **_resireduce_options(comp, variant))
+        return rr.error_feedback(compressor, axis_name, **options)
+    return rr.resireduce(
+        compressor, axis_name, local_axis=local_axis, **_resireduce_options(comp, variant)
+    )
 
 
 def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[str, Any]:
@@ -124,11 +141,25 @@ def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[s
     )
 
 
-def build_store_plans(comp: ml_collections.ConfigDict, params) -> list | None:
-    """ResiReduce's residual store plans for ``params`` (``None`` for other variants)."""
+def build_store_plans(
+    comp: ml_collections.ConfigDict,
+    params,
+    *,
+    local_axis: str | None = None,
+    local_size: int = 1,
+) -> list | None:
+    """ResiReduce's residual store plans for ``params`` (``None`` for other variants).
+
+    With ``local_axis`` and ``local_size > 1`` (the hierarchical exchange) every plan is one
+    device's shard (:func:`resireduce_jax.residual_stores.shard_store`), as the transform
+    built by :func:`build_exchange` with that ``local_axis`` keeps it.
+    """
     if resireduce_arguments(comp.variant) is None:
         return None
-    return rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
+    plans = rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
+    if local_axis is not None and local_size > 1:
+        plans = [rr.residual_stores.shard_store(p, local_axis, local_size) for p in plans]
+    return plans
 
 
 def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, total_steps: int):
@@ -211,10 +242,15 @@ def build_tx(
     total_steps: int,
     *,
     variant: str | None = None,
+    local_axis: str | None = None,
 ) -> optax.GradientTransformation:
-    """``chain(exchange, optimizer)`` for the config (or another residual ``variant``)."""
+    """``chain(exchange, optimizer)`` for the config (or another residual ``variant``).
+
+    ``local_axis``: the exchange is hierarchical over that mesh axis (:func:`local_axis`
+    of a config with ``local_devices``); ``None``: flat.
+    """
     schedule = build_schedule(config, steps_per_epoch, total_steps)
     return optax.chain(
-        build_exchange(config.compression, variant=variant),
+        build_exchange(config.compression, variant=variant, local_axis=local_axis),
         build_optimizer(config, schedule),
     )

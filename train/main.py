@@ -15,7 +15,9 @@ their defaults are in train/config_schema.py, experiments in configs/*.py), e.g.
 Multi-host: start one process per host with --coordinator_address=HOST:PORT (of process 0)
 --num_processes=N --process_id=I, or set RR_COORDINATOR_ADDRESS, RR_NUM_PROCESSES and
 RR_PROCESS_ID, or run under a SLURM allocation (train/distributed.py). On CPU the program
-simulates config.num_workers devices, split over the processes.
+simulates config.num_workers devices, split over the processes. With
+--config.local_devices=L (the hierarchical exchange: L devices per node) run one process
+per node: the devices per process must be a multiple of L.
 
 A mistake in the flags, the config, the workdir or the dataset prints one line,
 "error: ...", naming the key and the fix, and exits with status 2.
@@ -235,11 +237,7 @@ def run(argv) -> None:
         setup = distributed.resolve(
             FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
         )
-        if config.num_workers % setup.num_processes:
-            raise ConfigError(
-                f"num_workers={config.num_workers} does not split over {setup.num_processes} "
-                "processes; set --config.num_workers to a multiple of --num_processes."
-            )
+        config_schema.check_processes(config, setup.num_processes)
     if setup.multi_process and FLAGS.supervise and not supervisor.in_child():
         job = supervisor.JobInfo(
             workdir=workdir,

@@ -272,7 +272,8 @@ class StepCompiler:
             num_workers=self.num_workers,
             task=task,
         )
-        residuals = rr.memory.model_state_bytes(step.params, step.tx).residuals
+        # Per device (a hierarchical exchange keeps 1/local_devices of each residual).
+        residuals = compiled_step.state_bytes(step.params, step.tx, step.mesh).residuals
         seconds = time.perf_counter() - start
         settings: dict[str, Any] = {"remat_plan": None}
         if plan is not None:
@@ -443,6 +444,7 @@ def write_plan(result: planner.FitResult, compiler: StepCompiler, workdir: str) 
         **result.as_dict(),
         "planned": _planned_overrides(compiler, result.chosen),
         "num_workers": compiler.num_workers,
+        "local_devices": config_schema.local_devices(compiler.config),
         "compilations": compiler.compilations,
         "compile_seconds": compiler.compile_seconds,
     }

@@ -1,7 +1,8 @@
 """Residual value distributions of chosen layers (the ResiReduce paper's Fig. 4).
 
 With ``residual_analysis.layers`` set to a regex, the run records, at the configured steps,
-a histogram of worker 0's residual values for every matching leaf and plots their
+a histogram of worker 0's residual values (in a hierarchical run: node 0's, from its
+devices' shards) for every matching leaf and plots their
 probability densities on one figure per snapshot. Adjacent layers of the same type whose
 curves overlap are good candidates for a shared residual (§4.1).
 
@@ -31,16 +32,32 @@ def per_leaf_residuals(
 ) -> dict[str, np.ndarray]:
     """``{leaf path: residual of one worker}`` for every leaf with its own dense residual.
 
-    Only the process that holds ``worker`` returns values (others get an empty dict).
+    In a hierarchical run (``local_devices``; the plan's stores are sharded) a leaf's
+    residual is put back together from the shards of ``worker``'s node: the node's
+    residual. Only the process that holds ``worker`` (and its node) returns values (others
+    get an empty dict).
     """
     found: dict[str, Any] = {}
     for state in rr.exchange.exchange_states(opt_state):
         found.update(rr.exchange.leaf_residuals(state, plan))
+    sharded = {p.group.paths[0]: p.shard for p in plan.kept if p.shard is not None}
     out = {}
     for name, value in found.items():
-        for shard in value.addressable_shards:  # no cross-process traffic
-            if (shard.index[0].start or 0) == worker:
-                out[name] = np.asarray(shard.data)[0]
+        shard = sharded.get(name)
+        first = worker if shard is None else worker - worker % shard.count
+        rows = range(first, first + (1 if shard is None else shard.count))
+        pieces = {}
+        for device_shard in value.addressable_shards:  # no cross-process traffic
+            row = device_shard.index[0].start or 0
+            if row in rows:
+                pieces[row] = np.asarray(device_shard.data)[0]
+        if len(pieces) < len(rows):
+            continue
+        if shard is None:
+            out[name] = pieces[worker]
+        else:
+            whole = np.concatenate([pieces[r] for r in rows])[: shard.shape2d[0]]
+            out[name] = whole.reshape(shard.leaf_shape)
     return out
 
 

@@ -7,6 +7,12 @@ evaluating every ``eval_every`` steps and checkpointing every ``checkpoint_every
 and on SIGTERM. Re-running with the same ``workdir`` resumes from the newest complete
 checkpoint and continues bit-identically: the global batch and the PRNG key of step ``t``
 are pure functions of ``(seed, t)``.
+
+With ``config.local_devices`` the run is hierarchical (issue 13): the mesh is nodes ×
+devices per node (axes ``("data", "local")``), gradients are reduced densely inside a node
+and compressed across nodes, and each residual is sharded over the node's devices. The
+batch, the per-worker state, the non-finite decision and evaluation span both axes;
+:func:`worker_axes` names them.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate"]
+__all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate", "worker_axes"]
 
 AXIS = "data"
 # XLA:CPU aborts when too many steps with collectives are queued (docs/design.md,
@@ -96,6 +102,20 @@ class Run:
     total_steps: int
     remat_choice: rr.remat.RematChoice | None = None
 
+    @property
+    def local_devices(self) -> int | None:
+        """Devices per node of a hierarchical run, ``None`` for a flat one."""
+        return config_schema.local_devices(self.config)
+
+    @property
+    def worker_axes(self) -> str | tuple[str, str]:
+        return worker_axes(self.config)
+
+
+def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:
+    """``"data"``, or ``("data", "local")`` for a hierarchical run (``local_devices``)."""
+    return compiled_step.worker_axes(config)
+
 
 def build_run(
     config: ml_collections.ConfigDict,
@@ -128,27 +148,30 @@ def build_run(
             task.example_inputs(example),
         )
         task = dataclasses.replace(task, model=model)
-    mesh = rr.parallel.make_mesh(config.num_workers, AXIS)
     global_batch = config.num_workers * config.batch_size_per_worker
-    if jax.process_count() > 1 and global_batch % jax.process_count():
-        raise ValueError(
-            f"The global batch ({global_batch}) must split evenly over {jax.process_count()} "
-            "processes."
-        )
+    if jax.process_count() > 1:
+        config_schema.check_processes(config, jax.process_count())
+        if global_batch % jax.process_count():
+            raise ValueError(
+                f"The global batch ({global_batch}) must split evenly over "
+                f"{jax.process_count()} processes."
+            )
+    mesh = compiled_step.build_mesh(config)
     steps_per_epoch = dataset.num_train_examples / global_batch
     if config.num_steps is not None:
         total_steps = int(config.num_steps)
     else:
         total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
-    tx = factory.build_tx(config, steps_per_epoch, total_steps)
+    # The guarded chain (hierarchical with local_devices); the memory report's baseline is
+    # plain error feedback, flat: every device keeps a full residual.
+    tx = compiled_step.build_train_tx(config, steps_per_epoch, total_steps)
     baseline_tx = factory.build_tx(config, steps_per_epoch, total_steps, variant="ef")
-    guard = rr.skip_nonfinite
     return Run(
         config=config,
         dataset=dataset,
         task=task,
         mesh=mesh,
-        tx=guard(tx, AXIS),
+        tx=tx,
         baseline_tx=baseline_tx,
         global_batch=global_batch,
         steps_per_epoch=steps_per_epoch,
@@ -178,33 +201,46 @@ def initial_state(run: Run) -> InitialState:
     variables = jax.jit(run.task.init)(key, per_worker)
     params = variables.pop("params")
     model_state = rr.parallel.replicated(dict(variables), run.mesh)
-    step_fn = rr.parallel.data_parallel_step(
-        run.task.loss,
-        run.tx,
-        run.mesh,
-        axis_name=AXIS,
-        has_aux=True,
-        with_model_state=True,
-        with_rng=True,
-    )
+    # The mesh's "local" axis, if any, makes the step hierarchical (batch, per-worker state
+    # and metrics over both axes).
+    step_fn = compiled_step.build_step(run.task, run.tx, run.mesh)
     params, opt_state = step_fn.init(params)
     return InitialState(params, opt_state, model_state, step_fn, abstract["params"])
 
 
 def exchange_plan(run: Run, abstract_params) -> rr.exchange.ExchangePlan:
-    """Where the run's exchange transform keeps each leaf's residual."""
-    return factory.build_exchange(run.config.compression, axis_name=AXIS).plan(abstract_params)
+    """Where the run's exchange transform keeps each leaf's residual (one device's shards
+    in a hierarchical run)."""
+    return layout_plan(run.config, abstract_params, run.local_devices)
+
+
+def layout_plan(
+    config: ml_collections.ConfigDict, abstract_params, local_devices: int | None
+) -> rr.exchange.ExchangePlan:
+    """The exchange plan of ``config`` for ``local_devices`` per node (``None``: flat),
+    e.g. the layout a checkpoint was written with."""
+    local_axis = rr.parallel.LOCAL_AXIS if local_devices else None
+    exchange = factory.build_exchange(config.compression, axis_name=AXIS, local_axis=local_axis)
+    return exchange.plan(abstract_params, local_size=local_devices or 1)
 
 
 def worker_redistribution(run: Run, abstract_params):
-    """``on_worker_change="average"`` for this run's optimizer state (see checkpointing)."""
+    """``on_worker_change="average"`` for this run's optimizer state (see checkpointing).
+
+    The returned function also takes the checkpoint's ``saved_local_devices`` (``None``:
+    flat): the saved residuals are read with that layout's plan and re-planned for this
+    run's (:func:`resireduce_jax.exchange.resize_workers` with ``new_plan``), so a change of
+    the devices per node is covered too.
+    """
     plan = exchange_plan(run, abstract_params)
     is_exchange = lambda x: isinstance(x, rr.ExchangeState)
 
-    def redistribute(opt_state, specs, num_workers):
+    def redistribute(opt_state, specs, num_workers, saved_local_devices=None):
+        saved = layout_plan(run.config, abstract_params, saved_local_devices)
+
         def node(x, spec):
             if is_exchange(x):
-                return rr.exchange.resize_workers(x, spec, plan, num_workers)
+                return rr.exchange.resize_workers(x, spec, saved, num_workers, new_plan=plan)
             return checkpointing.mean_per_worker(x, spec, num_workers)
 
         return jax.tree.map(node, opt_state, specs, is_leaf=is_exchange)
@@ -213,20 +249,50 @@ def worker_redistribution(run: Run, abstract_params):
 
 
 def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
-    exchange_only = factory.build_tx(run.config, run.steps_per_epoch, run.total_steps)
-    comparison = rr.memory.compare(abstract_params, exchange_only, run.baseline_tx)
-    lines = [
-        f"Model states per worker: {run.config.compression.variant} vs. plain error feedback",
-        str(comparison),
-    ]
+    local_devices = run.local_devices
+    exchange_only = factory.build_tx(
+        run.config, run.steps_per_epoch, run.total_steps, local_axis=factory.local_axis(run.config)
+    )
+    comparison = rr.memory.MemoryComparison(
+        baseline=rr.memory.model_state_bytes(abstract_params, run.baseline_tx),
+        reduced=compiled_step.state_bytes(abstract_params, exchange_only, run.mesh),
+    )
+    variant = run.config.compression.variant
+    if local_devices:
+        nodes = run.config.num_workers // local_devices
+        lines = [
+            f"Model states per device ({nodes} nodes x {local_devices} devices, residuals "
+            f"sharded over a node's devices): hierarchical {variant} vs. plain error "
+            "feedback (flat)",
+        ]
+    else:
+        lines = [f"Model states per worker: {variant} vs. plain error feedback"]
+    lines.append(str(comparison))
+    # Residual bytes of one device, beside the same variant's flat exchange.
+    flat = rr.memory.model_state_bytes(
+        abstract_params, factory.build_tx(run.config, run.steps_per_epoch, run.total_steps)
+    ).residuals
+    per_device = comparison.reduced.residuals
+    if local_devices:
+        ratio = f"flat / {flat / per_device:.2f}" if per_device else "none kept"
+        lines.append(
+            f"residuals per device: {per_device / 2**20:,.3f} MiB (flat {variant}: "
+            f"{flat / 2**20:,.3f} MiB; {ratio})"
+        )
     if run.config.compression.variant not in ("dense", "none", "ef"):
         grouping = factory.build_grouping(run.config.compression)
         report = rr.grouping.report(abstract_params, grouping, run.config.compression.min_size)
-        lines += ["", "Residual groups:", str(report)]
+        title = "Residual groups:"
+        if local_devices:
+            title = f"Residual groups (whole layers; each device keeps 1/{local_devices} of each):"
+        lines += ["", title, str(report)]
     figures = {
         "baseline": comparison.baseline.as_dict(),
         "reduced": comparison.reduced.as_dict(),
         "saving": comparison.saving,
+        "local_devices": local_devices,
+        "residual_bytes_per_device": per_device,
+        "flat_residual_bytes_per_device": flat,
     }
     # What users gain is the compiled peak of the step they run, not the state bytes:
     # compile this step (guarded, as trained) beside plain EF's and the dense exchange's.
@@ -288,21 +354,21 @@ class _StopFlag:
         return bool(np.any(flags))
 
 
-def _eval_fn(task: tasks.Task, mesh):
+def _eval_fn(task: tasks.Task, mesh, axes: str | tuple[str, ...] = AXIS):
     span = task.kind == "span_qa"
 
     def body(params, model_state, batch):
         out = task.eval_outputs(params, model_state, batch)
         if span:
             return out
-        return jax.tree.map(lambda x: lax.psum(x, AXIS), out)
+        return jax.tree.map(lambda x: lax.psum(x, axes), out)
 
     return jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(), P(), P(AXIS)),
-            out_specs=P(AXIS) if span else P(),
+            in_specs=(P(), P(), P(axes)),
+            out_specs=P(axes) if span else P(),
         )
     )
 
@@ -317,7 +383,7 @@ def evaluate(run: Run, eval_fn, params, model_state) -> dict[str, float]:
     totals: dict[str, float] = {}
     pid, pcount = jax.process_index(), jax.process_count()
     for batch in run.dataset.eval_batches(run.global_batch, pid, pcount):
-        device_batch = rr.parallel.shard_batch(batch, run.mesh, AXIS)
+        device_batch = rr.parallel.shard_batch(batch, run.mesh, run.worker_axes)
         out = eval_fn(params, model_state, device_batch)
         if run.task.kind == "span_qa":
             start, end = _local_rows(out["start_logits"]), _local_rows(out["end_logits"])
@@ -380,13 +446,14 @@ def train_and_evaluate(
         state.model_state,
         state.step_fn,
     )
-    eval_fn = _eval_fn(run.task, run.mesh)
+    eval_fn = _eval_fn(run.task, run.mesh, run.worker_axes)
 
     checkpointer = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         keep=config.keep_checkpoints,
         num_workers=config.num_workers,
         on_worker_change=config.on_worker_change,
+        local_devices=run.local_devices,
     )
     start = 0
     latest = checkpointer.latest_step()
@@ -428,7 +495,9 @@ def train_and_evaluate(
     try:
         while step < run.total_steps:
             batch = rr.parallel.shard_batch(
-                run.dataset.train_batch(step, run.global_batch, pid, pcount), run.mesh, AXIS
+                run.dataset.train_batch(step, run.global_batch, pid, pcount),
+                run.mesh,
+                run.worker_axes,
             )
             rng = jax.random.fold_in(base_key, step)
             params, opt_state, model_state, step_metrics = step_fn(
