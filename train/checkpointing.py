@@ -295,7 +295,7 @@ class Checkpointer:
                 new,
             )
             replicated = NamedSharding(mesh, P())
-            saved_shapes = self._saved_per_worker_shapes(step, abstract["opt_state"], opt_specs)
+            saved_shapes = self._saved_shapes(step, abstract["opt_state"], opt_specs, old_workers)
             abstract["opt_state"] = jax.tree.map(
                 lambda a, s, shape: (
                     jax.ShapeDtypeStruct(shape, a.dtype, sharding=replicated)
@@ -331,9 +331,10 @@ class Checkpointer:
             )
         return restored
 
-    def _saved_per_worker_shapes(self, step: int, abstract: PyTree, specs: PyTree) -> PyTree:
+    def _saved_shapes(self, step: int, abstract: PyTree, specs: PyTree, old_workers: int) -> PyTree:
         """The shapes the checkpoint holds for the leaves of ``abstract`` (the optimizer
-        state): per-worker leaves may be shaped by the old layout (sharded residuals)."""
+        state): per-worker leaves may be shaped by the old layout (sharded residuals).
+        Leaves its metadata does not show: ``old_workers`` rows of this run's shape."""
         handler = ocp.StandardCheckpointHandler()
         try:
             path = epath.Path(self.directory) / str(step) / "state"
@@ -342,14 +343,15 @@ class Checkpointer:
             handler.close()
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         shapes = []
-        for path, leaf in flat:
+        for (path, leaf), spec in zip(flat, treedef.flatten_up_to(specs), strict=True):
             node = metadata
             try:
                 for key in path:
                     node = node[_metadata_key(key)]
                 shapes.append(tuple(node.shape))
             except (KeyError, IndexError, TypeError, AttributeError):
-                shapes.append(tuple(leaf.shape))  # not found: as this run has it
+                rows = (old_workers,) if _is_per_worker(spec) else leaf.shape[:1]
+                shapes.append((*rows, *leaf.shape[1:]))
         return jax.tree_util.tree_unflatten(treedef, shapes)
 
     def close(self) -> None:
