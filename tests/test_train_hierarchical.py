@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import resireduce_jax as rr
+from tests.test_cli import assert_user_error, run_cli
 from tests.test_multiprocess import assert_close_to_one_process, run_to_completion
 from tests.test_train import restore_checkpoint, small_digits
 from train import checkpointing, config_schema, residual_analysis, train
@@ -70,6 +71,26 @@ def test_local_devices_must_divide_the_workers_and_fit_a_process():
         config_schema.check_processes(short(local_devices=4), 4)
     with pytest.raises(config_schema.ConfigError, match="does not split over 3 processes"):
         config_schema.check_processes(short(), 3)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--config.local_devices=3"], "local_devices=3 must be >= 1 and divide num_workers=8"),
+        (
+            [
+                "--config.local_devices=4",
+                "--coordinator_address=127.0.0.1:1",
+                "--num_processes=4",
+                "--process_id=0",
+            ],
+            "local_devices=4 does not fit 2 devices per process",
+        ),
+    ],
+)
+def test_the_program_reports_a_bad_local_devices_in_one_line(tmp_path, args, words):
+    result = run_cli("--workdir", str(tmp_path / "run"), *args)
+    assert_user_error(result, words)
 
 
 # ------------------------------------------------------------------ training
