@@ -65,7 +65,8 @@ class Collective:
         (``replica_groups={{0,4},{1,5}}``); ``None`` for the iota form.
       result_bytes: bytes of the result (for an all-gather: all workers' data).
       bytes_per_worker: bytes one participant contributes: the result for all-reduce,
-        result / group size for all-gather.
+        result / group size for all-gather, result × group size (its whole operand) for
+        reduce-scatter.
     """
 
     op: str
@@ -82,6 +83,8 @@ class Collective:
     def bytes_per_worker(self) -> int:
         if self.op == "all-gather":
             return self.result_bytes // self.group_size
+        if self.op == "reduce-scatter":
+            return self.result_bytes * self.group_size
         return self.result_bytes
 
     @property

@@ -402,3 +402,18 @@ def test_a_nan_on_one_device_skips_the_step_on_every_node_and_device():
     (exchange,) = rr.exchange.exchange_states(after[1])
     (exchange_before,) = rr.exchange.exchange_states(before[1])
     jax.tree.map(np.testing.assert_array_equal, exchange_before.residuals, exchange.residuals)
+
+
+def test_collectives_tell_their_replica_groups_and_what_a_device_contributes():
+    text = "\n".join(
+        [
+            "%rs = f32[8,500]{1,0} reduce-scatter(%p), channel_id=1, "
+            "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+            "%ag = s32[2,400]{1,0} all-gather(%q), replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+        ]
+    )
+    rs, ag = rr.hlo.collectives(text)
+    assert rs.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert rs.bytes_per_worker == 4 * 8 * 500 * 4  # the whole operand goes into the sum
+    assert ag.replica_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert ag.bytes_per_worker == 400 * 4  # its own part
