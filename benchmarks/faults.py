@@ -5,19 +5,23 @@ can be replayed alone (``--replay i``):
 
 * the job: the embedded ``default`` (digits MLP) or ``byte_gpt`` config, cut down to a
   tiny size (:data:`CONFIGS`), on 1 process or 2 processes (``jax.distributed`` on
-  127.0.0.1, each process simulating 2 of the 4 workers);
+  127.0.0.1, each process simulating 2 of the 4 workers); ``--configs default_hier``
+  instead runs the digits job with the hierarchical exchange (``local_devices=2``: 2 nodes
+  x 2 devices, every residual sharded over its node's 2 devices; with 2 processes, each
+  process is one node);
 * the signal, SIGKILL or SIGTERM, sent to every process or to one of them;
 * the moment: uniformly random over the wall time of an uninterrupted run (start-up,
   compilation, steps, evaluation, checkpoint writes alike), or the middle of a
   checkpoint write (as soon as orbax's temporary directory for a random checkpoint step
   appears, plus a random delay of up to 20 ms);
-* on the digits config, one run in three also writes NaN, +Inf or -Inf into one input
+* on the digits configs, one run in three also writes NaN, +Inf or -Inf into one input
   row of one or two random steps (one worker's gradient becomes non-finite).
 
 The run starts the job, delivers the signal, waits for every process to end, resumes
 the job in the same workdir and lets it finish. It then checks that the final params,
 optimizer state and every worker's residuals equal those of an uninterrupted run of the
-same job (same injections) bit for bit, and, where NaN/Inf was injected, that no
+same job (same injections) bit for bit (a hierarchical job's residuals: every device's
+shard, as the checkpoint holds them), and, where NaN/Inf was injected, that no
 checkpoint ever held a non-finite value and the steps were counted as skipped.
 
 Reported: kills tried, runs that resumed, runs bit-identical to the uninterrupted run,
@@ -31,6 +35,11 @@ Usage::
     python benchmarks/faults.py --runs 60 --seed 1
     python benchmarks/faults.py --quick          # 2 small runs, results in the workdir
     python benchmarks/faults.py --replay 17      # run 17 of --seed again, logs kept
+    python benchmarks/faults.py --configs default_hier --runs 12 --seed 1  # hierarchical
+
+A campaign over other ``--configs`` is stored beside the others: ``reliability.json``
+holds every campaign under its key (the sorted config names joined by commas) and
+``reliability.md`` renders each in its own section.
 """
 
 from __future__ import annotations
@@ -77,7 +86,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "dataset.context_length": 32,
     },
 }
-QUICK = {"default": {**COMMON, "num_steps": 8, "checkpoint_every": 2}}  # one process only
+# More jobs, run only when named with --configs (CONFIGS' draws stay as they were).
+EXTRA_CONFIGS: dict[str, dict[str, Any]] = {
+    # The hierarchical exchange: 2 nodes x 2 devices, residuals sharded over a node's
+    # devices; with 2 processes each process is one node.
+    "default_hier": {**COMMON, "local_devices": 2},
+}
+ALL_CONFIGS = {**CONFIGS, **EXTRA_CONFIGS}
+CONFIG_FILES = {"default_hier": "default"}  # configs/<file>.py of a job (default: its name)
+_QUICK = {"num_steps": 8, "checkpoint_every": 2}
+QUICK = {"default": {**COMMON, **_QUICK}}  # one process only
+QUICK_ALL = {**QUICK, "default_hier": {**ALL_CONFIGS["default_hier"], **_QUICK}}
+DEFAULT_CAMPAIGN = ",".join(sorted(CONFIGS))  # the key of a campaign over CONFIGS
+# Headings of the campaigns' sections in reliability.md (others: their key).
+TITLES = {"default_hier": "hierarchical exchange, sharded residuals"}
 COLLECTIVE_TIMEOUT_S = 10  # a survivor of a SIGKILLed peer stops after about this long
 INITIALIZATION_TIMEOUT_S = 30  # ... or this long, when the peer died before connecting
 RUN_TIMEOUT_S = 600
@@ -155,7 +177,7 @@ def draw(
     at = float(rng.uniform(0.0, 0.95)) if moment == "time" else float(rng.choice(checkpoints))
     delay_s = float(rng.uniform(0.0, 0.02))
     injections: tuple[tuple[int, int, str], ...] = ()
-    if config == "default" and rng.random() < 1 / 3:
+    if config_file(config) == "default" and rng.random() < 1 / 3:
         rows = c["num_workers"] * c["batch_size_per_worker"]
         steps = rng.choice(c["num_steps"], size=int(rng.integers(1, 3)), replace=False)
         injections = tuple(
@@ -163,6 +185,11 @@ def draw(
             for s in sorted(steps)
         )
     return Fault(index, config, processes, sig, target, moment, at, delay_s, injections)
+
+
+def config_file(config: str) -> str:
+    """The embedded config a job of the campaign runs (``configs/<this>.py``)."""
+    return CONFIG_FILES.get(config, config)
 
 
 # ------------------------------------------------------------------ jobs
@@ -177,7 +204,12 @@ def _job(workdir: str, config: str, overrides: dict, processes: int, injections)
     if injections:
         program = ("-c", INJECTING_MAIN, json.dumps([list(i) for i in injections]))
     return LocalJob(
-        workdir, processes, overrides, flags, program=program, config=f"configs/{config}.py"
+        workdir,
+        processes,
+        overrides,
+        flags,
+        program=program,
+        config=f"configs/{config_file(config)}.py",
     )
 
 
@@ -256,6 +288,18 @@ def first_difference(a: Any, b: Any) -> str | None:
     return None
 
 
+def residual_shapes(state: dict) -> dict[str, list[int]]:
+    """Path and shape of every residual array in a state (leading axis: one per device)."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
+    return {
+        jax.tree_util.keystr(path): list(np.shape(x))
+        for path, x in leaves
+        if "residuals" in jax.tree_util.keystr(path)
+    }
+
+
 def nonfinite_leaves(workdir: str) -> list[str]:
     """``step:path`` of every non-finite floating leaf in every committed checkpoint."""
     import jax
@@ -293,6 +337,10 @@ class Campaign:
         """Wall seconds of every uninterrupted run so far (the first of a job: cold cache)."""
         return {run["name"]: run["duration_s"] for run in self._runs}
 
+    def residuals(self) -> dict[str, dict[str, list[int]]]:
+        """Every job's residual arrays (path: shape) as compared in each of its runs."""
+        return {run["name"].split("_", 1)[1]: run["residuals"] for run in self._runs}
+
     def _uninterrupted(self, config: str, processes: int, injections) -> dict[str, Any]:
         name = f"ref{len(self._runs)}_{config}_x{processes}"
         workdir = os.path.join(self.workdir, name)
@@ -300,10 +348,17 @@ class Campaign:
         job, codes = run_to_end(workdir, config, self.configs[config], processes, injections)
         if codes != [0] * processes:
             raise RuntimeError(f"uninterrupted {name} failed {codes}:\n{job.output(0)[-3000:]}")
+        state = load_state(workdir)
+        residuals = residual_shapes(state)
+        workers = self.configs[config]["num_workers"]
+        if not residuals or any(shape[0] != workers for shape in residuals.values()):
+            # first_difference compares whole arrays: each must hold every device's part
+            raise RuntimeError(f"{name}: residuals not one per device ({workers}): {residuals}")
         run = {
             "name": name,
             "duration_s": time.monotonic() - start,
-            "state": load_state(workdir),
+            "state": state,
+            "residuals": residuals,
             "skipped": _skipped(workdir),
             "nonfinite": nonfinite_leaves(workdir) if injections else [],
         }
@@ -476,23 +531,77 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(payload: dict[str, Any]) -> str:
+def campaign_key(configs) -> str:
+    """A campaign's key in reliability.json: its config names, sorted, joined by commas."""
+    return ",".join(sorted(configs))
+
+
+def merge(out: str | Path, key: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """``<out>/reliability.json``'s campaigns with ``payload`` as campaign ``key``.
+
+    A file of one campaign (its payload at the top, as before there were several) is read
+    as the campaign over :data:`CONFIGS`. The campaign over CONFIGS comes first.
+    """
+    path = Path(out) / "reliability.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    campaigns = stored.get("campaigns", {DEFAULT_CAMPAIGN: stored} if "runs" in stored else {})
+    campaigns = {**campaigns, key: payload}
+    order = sorted(campaigns, key=lambda k: (k != DEFAULT_CAMPAIGN, k))
+    return {"campaigns": {k: campaigns[k] for k in order}}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """reliability.md: a section per campaign, then the fault tests of the test suite."""
+    lines = ["# Reliability: faults injected, what was checked, and what was lost", ""]
+    for key, payload in results["campaigns"].items():
+        lines += section(key, payload)
+    lines += ["<!-- prose: test-suite -->", ""]
+    return "\n".join(lines)
+
+
+def _residual_lines(payload: dict[str, Any]) -> list[str]:
+    """What the bitwise check covered of each job's residuals (campaigns that recorded it)."""
+    jobs: dict[tuple, list[str]] = {}  # (config, residual shapes) -> its layouts
+    for job, shapes in payload.get("residuals_compared", {}).items():
+        name, processes = job.rsplit("_x", 1)
+        jobs.setdefault((name, json.dumps(shapes)), []).append(processes)
+    lines = []
+    for (name, shapes), layouts in jobs.items():
+        config, shapes = payload["configs"][name], json.loads(shapes)
+        local = config.get("local_devices")
+        arrays = ", ".join("x".join(map(str, shape)) for shape in shapes.values())
+        whose = f"the {config['num_workers']} devices" + (
+            f", each holding a 1/{local} shard of its node's residual" if local else ""
+        )
+        lines += [
+            f"Residuals compared bit for bit in every run of {name} "
+            f"({' and '.join(layouts)} processes): {len(shapes)} arrays "
+            f"({arrays}; leading axis: {whose}).",
+            "",
+        ]
+    return lines
+
+
+def section(key: str, payload: dict[str, Any]) -> list[str]:
+    """The lines of one campaign's section."""
     s, records = payload["summary"], payload["runs"]
     args = payload["args"]
     groups: dict[tuple, list] = {}
     for r in records:
         groups.setdefault((r["config"], r["processes"], r["signal"]), []).append(r)
+    default = key == DEFAULT_CAMPAIGN
+    flag = "" if default else f" --configs {key}"
     lines = [
-        "# Reliability: faults injected, what was checked, and what was lost",
+        "## Fault campaign (`benchmarks/faults.py`)"
+        if default
+        else f"## Fault campaign: {TITLES.get(key, key)} (`--configs {key}`)",
         "",
-        "## Fault campaign (`benchmarks/faults.py`)",
-        "",
-        f"`python benchmarks/faults.py --runs {args['runs']} --seed {args['seed']}` "
+        f"`python benchmarks/faults.py{flag} --runs {args['runs']} --seed {args['seed']}` "
         f"({payload['date']}, {payload['cpu_count']} CPU cores shared with other jobs; "
         f"{payload['wall_s'] / 60:.1f} min). Replay run *i* alone with "
-        f"`--seed {args['seed']} --replay i`.",
+        f"`--seed {args['seed']}{flag} --replay i`.",
         "",
-        "<!-- prose: campaign -->",
+        f"<!-- prose: {'campaign' if default else 'campaign-' + key.replace(',', '-')} -->",
         "",
         "| kills tried | landed | resumed | bit-identical | lost | signalled mid-write "
         "| write left uncommitted | steps recomputed (median / max) "
@@ -512,6 +621,9 @@ def markdown(payload: dict[str, Any]) -> str:
         f"injections in {s['nonfinite_runs']} runs; no non-finite value in any checkpoint and "
         f"the steps counted as skipped in {s['nonfinite_ok']} of them.",
         "",
+    ]
+    lines += _residual_lines(payload)
+    lines += [
         "| config | processes | signal | runs | resumed | identical | mid-write "
         "| steps recomputed (max) | time to resume, s (median) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -546,8 +658,8 @@ def markdown(payload: dict[str, Any]) -> str:
             f"| {r.get('resumed_from', '–')} | {r.get('steps_lost', '–')} "
             f"| {_fmt(r.get('time_to_resume_s'))} | {identical} |"
         )
-    lines += ["", "<!-- prose: test-suite -->", ""]
-    return "\n".join(lines)
+    lines += [""]
+    return lines
 
 
 # ------------------------------------------------------------------ main
@@ -569,9 +681,22 @@ def main(argv: list[str] | None = None) -> int:
         help=f"results directory (default: {RESULTS} for a full campaign; the workdir for "
         "--quick and --replay)",
     )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated jobs to draw from (default: "
+        f"{','.join(CONFIGS)}; with --quick: {','.join(QUICK)}); more: "
+        f"{', '.join(EXTRA_CONFIGS)}",
+    )
     args = parser.parse_args(argv)
     runs = 2 if args.quick and "--runs" not in (argv or sys.argv) else args.runs
-    configs = QUICK if args.quick else CONFIGS
+    available = QUICK_ALL if args.quick else ALL_CONFIGS
+    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
+    unknown = [n for n in names if n not in available]
+    if unknown or len(set(names)) != len(names):
+        parser.error(f"--configs {args.configs}: choose from {', '.join(available)}")
+    configs = {n: available[n] for n in names}  # draw() sorts the names: order is moot
+    key = campaign_key(configs)
     workdir = args.workdir or tempfile.mkdtemp(prefix="rr_faults_")
     os.makedirs(workdir, exist_ok=True)
     partial = args.quick or args.replay is not None
@@ -607,15 +732,23 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"run {index} ({fault.describe()}): {record.get('error') or record}")
     payload = environment(
         date=time.strftime("%Y-%m-%d"),
-        args={"runs": runs, "seed": args.seed, "quick": args.quick, "replay": args.replay},
+        args={
+            "runs": runs,
+            "seed": args.seed,
+            "quick": args.quick,
+            "replay": args.replay,
+            "configs": sorted(configs),
+        },
         configs=configs,
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         reference_durations_s=campaign.durations(),
+        residuals_compared=campaign.residuals(),
         wall_s=time.monotonic() - start,
         summary=summarize(records),
         runs=records,
     )
-    write_results("reliability", payload, markdown(payload), out, echo=False)
+    results = merge(out, key, payload)
+    write_results("reliability", results, markdown(results), out, echo=False)
     summary = payload["summary"]
     print(json.dumps(summary, indent=2))
     print(f"results: {out}/reliability.md")

@@ -5,7 +5,8 @@ The real program runs as 2 processes on 127.0.0.1 (tests/test_multiprocess.py's
 the timeout with exit status ``supervisor.EXIT_PEER_LOST`` (not an abort), print one
 message naming the lost process, the step, the last complete checkpoint and the command
 that resumes, keep JAX's C++ report and thread dump out of the console (they go to the
-crash log), and leave metrics.jsonl and TensorBoard flushed.
+crash log), and leave metrics.jsonl and TensorBoard flushed. The same holds when the job
+runs the hierarchical exchange with one process per node (``local_devices``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _last_metrics_line(workdir: str) -> dict:
     return json.loads(text.splitlines()[-1])
 
 
+def _wait_for_a_committed_checkpoint(workdir: str, timeout: float = 120) -> None:
+    """Until a checkpoint is committed (on a loaded machine, step 6's write can outlast
+    step 8: a kill then rightly reports "No complete checkpoint yet")."""
+    deadline = time.monotonic() + timeout
+    while not committed_steps(workdir):
+        assert time.monotonic() < deadline, f"no committed checkpoint in {timeout} s"
+        time.sleep(0.05)
+
+
 def _check_console(out: str) -> str:
     """The survivor's console: one clean error block; returns it."""
     errors = [line for line in out.splitlines() if "error:" in line]
@@ -69,12 +79,19 @@ def _check_console(out: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker_lost", "coordinator_lost"])
-def test_killed_peer_ends_the_survivor_with_one_clear_message(tmp_path, victim):
+@pytest.mark.parametrize(
+    ("victim", "layout"),
+    [(1, {}), (0, {}), (1, {"local_devices": 2})],
+    ids=["worker_lost", "coordinator_lost", "node_lost_hierarchical"],
+)
+def test_killed_peer_ends_the_survivor_with_one_clear_message(tmp_path, victim, layout):
+    """``layout``: the hierarchical exchange, 2 nodes x 2 devices, each process one node."""
     workdir = str(tmp_path / "run")
     survivor = 1 - victim
-    with LocalJob(workdir, 2, ENDLESS, [f"--collective_timeout_s={TIMEOUT_S}"]) as job:
-        seen = job.wait_for_step(8)  # past the first checkpoint (step 6)
+    job_config = {**ENDLESS, **layout}
+    with LocalJob(workdir, 2, job_config, [f"--collective_timeout_s={TIMEOUT_S}"]) as job:
+        seen = job.wait_for_step(8)  # past the first checkpoint (step 6) ...
+        _wait_for_a_committed_checkpoint(workdir)  # ... whose async write may still run
         job.send(signal.SIGKILL, processes=[victim])
         killed = time.monotonic()
         (code,) = job.wait(timeout=TIMEOUT_S + 60, processes=[survivor])
@@ -95,6 +112,9 @@ def test_killed_peer_ends_the_survivor_with_one_clear_message(tmp_path, victim):
     assert directory == os.path.join(workdir, "checkpoints")
     command = message.splitlines()[2].strip()
     assert f"--process_id={survivor}" in command and f"--workdir={workdir}" in command
+    for key, value in layout.items():  # the resume keeps the layout
+        assert f"--config.{key}={value}" in command
+        assert "4 workers as 2 nodes x 2 devices, hierarchical exchange" in out
 
     crash_log = os.path.join(workdir, f"crash.p{survivor}.log")
     assert f"JAX's own report: {crash_log}" in message

@@ -4,6 +4,7 @@ and a change of the number of workers. (Several processes: tests/test_multiproce
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -167,9 +168,10 @@ def test_fault_campaign_quick_mode_resumes_bit_identically(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "reliability.json") as f:
         results = json.load(f)
-    summary = results["summary"]
+    (campaign,) = results["campaigns"].values()
+    summary = campaign["summary"]
     assert summary["tried"] == summary["resumed"] == summary["identical"] == 2, summary
-    assert [r["index"] for r in results["runs"]] == [0, 1]
+    assert [r["index"] for r in campaign["runs"]] == [0, 1]
     assert "| kills tried |" in (tmp_path / "reliability.md").read_text()
 
 
@@ -214,3 +216,42 @@ def test_first_difference_compares_bits_and_names_the_leaf():
     residual = jax.tree.map(np.copy, state)
     residual["opt_state"][0] = residual["opt_state"][0].astype(np.float32)
     assert faults.first_difference(state, residual) == "['opt_state'][0]"
+
+
+def test_a_campaign_over_other_configs_keeps_the_default_draws_and_its_own_section(tmp_path):
+    """--configs default_hier: CONFIGS' runs draw as before; results stored side by side."""
+    import json
+
+    faults = _faults_module()
+    chosen = {name: faults.ALL_CONFIGS[name] for name in ("default", "byte_gpt")}
+    assert [faults.draw(0, i, chosen) for i in range(30)] == [
+        faults.draw(0, i, faults.CONFIGS) for i in range(30)
+    ]
+    hier = {"default_hier": faults.ALL_CONFIGS["default_hier"]}
+    draws = [faults.draw(1, i, hier) for i in range(30)]
+    assert {d.processes for d in draws} == {1, 2} and any(d.injections for d in draws)
+    assert hier["default_hier"]["local_devices"] == 2
+    assert faults.config_file("default_hier") == "default"
+
+    def payload(config: str) -> dict:
+        fault = faults.draw(0, 0, {config: faults.ALL_CONFIGS[config]})
+        record = {**dataclasses.asdict(fault), "describe": fault.describe()}
+        return {
+            "args": {"runs": 1, "seed": 0},
+            "date": "2026-11-24",
+            "cpu_count": 2,
+            "wall_s": 60.0,
+            "configs": faults.ALL_CONFIGS,
+            "summary": faults.summarize([record]),
+            "runs": [record],
+        }
+
+    # A file of one campaign (as before --configs) is read as the campaign over CONFIGS.
+    (tmp_path / "reliability.json").write_text(json.dumps(payload("default")))
+    merged = faults.merge(tmp_path, "default_hier", payload("default_hier"))
+    assert list(merged["campaigns"]) == [faults.DEFAULT_CAMPAIGN, "default_hier"]
+    text = faults.markdown(merged)
+    assert text.count("| kills tried |") == 2
+    assert "## Fault campaign (`benchmarks/faults.py`)" in text
+    assert "--configs default_hier --runs 1 --seed 0" in text
+    assert "<!-- prose: campaign -->" in text and "<!-- prose: campaign-default_hier -->" in text
