@@ -61,18 +61,21 @@ def _batch(model_config, rows: int, seq_len: int, seed: int):
 
 
 class Runner:
-    """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps."""
+    """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps.
 
-    def __init__(self, case: Case, variant: str, guard: bool):
+    ``config``: the case's config with other settings (default ``case.load()``).
+    """
+
+    def __init__(self, case: Case, variant: str, guard: bool, config=None):
         import jax
 
         import resireduce_jax as rr
         from train import compiled_step
 
-        config = compiled_step.with_variant(case.load(), variant)
+        config = compiled_step.with_variant(config or case.load(), variant)
         task = compiled_step.build_task(config)
         model_config = task.model_config
-        mesh = rr.parallel.make_mesh(NUM_WORKERS, compiled_step.AXIS)
+        mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
         self.step = compiled_step.build_step(task, tx, mesh)
         batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
@@ -81,7 +84,7 @@ class Runner:
         params = variables.pop("params")
         self.model_state = rr.parallel.replicated(variables, mesh)
         self.params, self.opt_state = self.step.init(params)
-        self.batch = rr.parallel.shard_batch(batch, mesh, compiled_step.AXIS)
+        self.batch = rr.parallel.shard_batch(batch, mesh)  # over every mesh axis
         self.key = jax.random.PRNGKey(1)
         self.count = 0
         self.loss = float("nan")
