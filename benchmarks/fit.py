@@ -15,6 +15,9 @@ workers). What the figures mean: ``results/fit.md``.
     python benchmarks/fit.py                        # full size: 3 models x 4 budgets (long)
     python benchmarks/fit.py --models gpt2_medium --budgets 16 24
     python benchmarks/fit.py --quick                # reduced sizes, budgets in MiB (smoke)
+    python benchmarks/fit.py --from-json            # re-render fit.md / fit.png
+
+Each invocation keeps the other models' results in ``fit.json`` (run models separately).
 """
 
 from __future__ import annotations
@@ -32,7 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also
 
 from common import NUM_WORKERS, RESULTS, Case, environment, write_results
 
-__all__ = ["CASES", "QUICK", "TECHNIQUES", "FitCase", "main", "measure_price", "plan_model"]
+__all__ = [
+    "CASES",
+    "QUICK",
+    "TECHNIQUES",
+    "FitCase",
+    "main",
+    "markdown",
+    "measure_price",
+    "merge_runs",
+    "plan_model",
+]
 
 GiB, MiB = 2**30, 2**20
 QUICK_OUT = "/tmp/rr_fit_quick"  # --quick is a smoke run: its figures are not the results
@@ -98,6 +111,13 @@ CASES: dict[str, FitCase] = {
         max_batch=2048,
         budgets=(8, 16, 24, 40),
         fit_budget=4,
+        price=Case(
+            "bert_base_squad",
+            {"num_layers": 4, "width": 256, "num_heads": 4, "seq_len": 128, "vocab_size": 8192},
+            batch_per_worker=4,
+            seq_len=128,
+            description="BERT 4 layers of width 256, vocab 8192, 128 tokens",
+        ),
     ),
 }
 # --quick: reduced sizes and MiB budgets, minutes on 2 cores (CI smoke).
@@ -292,10 +312,10 @@ class _Runner:
 
 
 def measure_price(name: str, case: Case, *, repeats: int, steps: int) -> dict[str, Any]:
-    """The planner's choice against plain EF on a reduced model, in plain EF's memory.
+    """All techniques against plain EF on a reduced model, in plain EF's memory.
 
-    The budget is plain EF's compiled peak at the case's batch; the planner's choice
-    (largest batch over the techniques) runs a larger batch in it. Timed, interleaved:
+    The budget is plain EF's compiled peak at the case's batch; all techniques together
+    (the planner's choice in every full-size row) run a larger batch in it. Timed, interleaved:
     EF and the choice at the choice's batch (step-time ratio at equal batch), and EF at
     its own batch (time per sample).
     """
@@ -308,7 +328,7 @@ def measure_price(name: str, case: Case, *, repeats: int, steps: int) -> dict[st
     ef = named["plain EF"]
     budget = compiler.leanest(ef, case.batch_per_worker).peak_bytes
     found = planner.largest_batch(
-        list(named.values()),
+        [ef, named["all"]],  # every technique: the largest batch in every full-size row
         compiler,
         budget,
         max_batch=64 * case.batch_per_worker,
@@ -372,28 +392,36 @@ def markdown(
         "<!-- prose: about -->",
         "",
     ]
+    chosen = within = 0
     for r in results:
         labels = list(r["budgets"][0]["searches"]) if r["budgets"] else []
         lines += [f"## {r['model']}: {r['description']}", ""]
         header = (
-            "| budget | " + " | ".join(labels) + " | planner's choice | × EF | peak | FLOPs + |"
+            "| budget | "
+            + " | ".join(labels)
+            + " | planner's choice | × EF | peak | ≤ budget | FLOPs + | search |"
         )
-        lines += [header, "|" + "---:|" * (len(labels) + 5)]
+        lines += [header, "|" + "---:|" * (len(labels) + 7)]
         for b in r["budgets"]:
             cells = [str(b["searches"][k]["largest_batch"]) for k in labels]
             choice = b["planner_choice"]
             ef = b["searches"]["plain EF"]["largest_batch"]
             if choice is None:
-                tail = "— | — | — | —"
+                tail = "— | — | — | — | —"
             else:
                 at = choice["at_largest"]
-                ratio = f"{choice['largest_batch'] / ef:.2f}" if ef else "∞"
+                ratio = f"{choice['largest_batch'] / ef:.2f}" if ef else "∞ (EF: none)"
                 overhead = at["flops_overhead"]
+                chosen += 1
+                within += at["peak_bytes"] <= b["budget_bytes"]
                 tail = (
                     f"{choice['largest_batch']} ({choice['label']}) | {ratio} | "
                     f"{at['peak_bytes'] / scale:.2f} | "
+                    + ("yes" if at["peak_bytes"] <= b["budget_bytes"] else "**no**")
+                    + " | "
                     + ("?" if overhead is None else f"{100 * overhead:.1f}%")
                 )
+            tail += f" | {b['seconds']:.0f} s"
             lines.append(f"| {b['budget']:g} {unit} | " + " | ".join(cells) + f" | {tail} |")
         fit = r["fit"]
         lines += [""]
@@ -411,19 +439,29 @@ def markdown(
             lines.append(f"Planner call: {fit.get('error')} ({fit['seconds']:.0f} s).")
         secs = [c["compile_seconds"] for c in r["compiles"]]
         if secs:
+            runs = r.get("invocations", 1)
             lines.append(
                 f"Compilations: {len(secs)} train steps, median {statistics.median(secs):.1f} s, "
                 f"max {max(secs):.1f} s; {r['compile_seconds'] / 60:.1f} min in all (with "
-                "the rotor chain measurements)."
+                "the rotor chain measurements"
+                + (f"; {runs} invocations, each from a cold cache" if runs > 1 else "")
+                + ")."
             )
         lines.append("")
+    if chosen:
+        lines += [
+            f"Every planner's choice within its budget: {within} of {chosen} compiled peaks "
+            "≤ budget.",
+            "",
+        ]
     if prices:
         lines += [
             "## The price, measured on reduced models",
             "",
-            "Budget = plain EF's compiled peak at the case's batch; the planner's choice runs "
-            "its largest batch in it. 8 simulated CPU workers share 2 cores: computation, not "
-            "communication.",
+            "Budget = plain EF's compiled peak at the case's batch; all techniques together "
+            "(w+2d+bf16, the reduced optimizer, the fastest rotor plan that fits) run their "
+            "largest batch in it. Step times are medians of interleaved repetitions; 8 "
+            "simulated CPU workers share 2 cores: computation, not communication.",
             "",
             "| model | EF batch | choice | choice batch | FLOPs + | step ratio (equal batch) | "
             "time/sample ratio |",
@@ -452,11 +490,14 @@ def plot(results: list[dict[str, Any]], path: str, quick: bool) -> None:
     for ax, r in zip(axes[0], results, strict=True):
         budgets = [b["budget"] for b in r["budgets"]]
         labels = list(r["budgets"][0]["searches"]) if r["budgets"] else []
-        for label in labels:
+        markers = "osD^v"
+        for i, label in enumerate(labels):
             ax.plot(
                 budgets,
                 [b["searches"][label]["largest_batch"] for b in r["budgets"]],
-                marker="o",
+                marker=markers[i % len(markers)],
+                markersize=9 - 1.2 * i,  # equal batches stay visible
+                alpha=0.85,
                 label=label,
             )
         ax.plot(
@@ -473,6 +514,27 @@ def plot(results: list[dict[str, Any]], path: str, quick: bool) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_runs(before: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]:
+    """A model's result of this invocation, with what an earlier one found and this did not.
+
+    Budget rows not searched now, and the timed planner call when it was skipped now
+    (``--no-fit``), are kept; the compilations of both invocations are listed (each
+    invocation compiles from a cold cache).
+    """
+    if before is None:
+        return now
+    merged = dict(now)
+    searched = {b["budget"] for b in now["budgets"]}
+    kept = [b for b in before.get("budgets", []) if b["budget"] not in searched]
+    merged["budgets"] = sorted(kept + now["budgets"], key=lambda b: b["budget"])
+    if now.get("fit") is None:
+        merged["fit"] = before.get("fit")
+    merged["compiles"] = before.get("compiles", []) + now.get("compiles", [])
+    merged["compile_seconds"] = before.get("compile_seconds", 0.0) + now.get("compile_seconds", 0.0)
+    merged["invocations"] = before.get("invocations", 1) + 1
+    return merged
 
 
 def _load(path: str, quick: bool) -> dict[str, Any]:
@@ -492,6 +554,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="reduced sizes, MiB budgets")
     parser.add_argument("--no-fit", action="store_true", help="skip the timed planner call")
     parser.add_argument("--no-price", action="store_true", help="skip the timed price runs")
+    parser.add_argument("--price-only", action="store_true", help="only the timed price runs")
+    parser.add_argument(
+        "--from-json", action="store_true", help="re-render fit.md and fit.png from fit.json"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
@@ -499,26 +565,37 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    from resireduce_jax import runtime
+    if not args.from_json:
+        from resireduce_jax import runtime
 
-    runtime.configure_cpu(NUM_WORKERS)
+        runtime.configure_cpu(NUM_WORKERS)
     cases = QUICK if args.quick else CASES
     out = args.out or (QUICK_OUT if args.quick else str(RESULTS))
+    path = os.path.join(out, "fit.json")
     # Models run before (e.g. in another invocation) are kept; the ones run now replace theirs.
-    previous = _load(os.path.join(out, "fit.json"), args.quick)
-    results = {r["model"]: r for r in previous.get("results", [])}
-    prices = {p["model"]: p for p in previous.get("prices", [])}
+    previous = _load(path, args.quick)
+    earlier = {r["model"]: r for r in previous.get("results", [])}
+    results: dict[str, Any] = {}
+    prices: dict[str, Any] = {}
     start = time.perf_counter()
 
     def write(final: bool = False) -> None:
-        ordered = [results[m] for m in CASES if m in results]
-        priced = [prices[m] for m in CASES if m in prices]
-        payload = environment(
-            num_workers=NUM_WORKERS,
-            quick=args.quick,
-            seconds_this_run=time.perf_counter() - start,
-            results=ordered,
-            prices=priced,
+        # Re-read: another invocation (another model) may have written since this one began.
+        current = previous if args.from_json else _load(path, args.quick)
+        merged = {r["model"]: r for r in current.get("results", [])} | results
+        priced_now = {p["model"]: p for p in current.get("prices", [])} | prices
+        ordered = [merged[m] for m in CASES if m in merged]
+        priced = [priced_now[m] for m in CASES if m in priced_now]
+        payload = (
+            previous
+            if args.from_json
+            else environment(
+                num_workers=NUM_WORKERS,
+                quick=args.quick,
+                seconds_this_run=time.perf_counter() - start,
+                results=ordered,
+                prices=priced,
+            )
         )
         text = markdown(ordered, priced, args.quick, "fit")
         folder = write_results("fit", payload, text, out, echo=final)
@@ -526,14 +603,16 @@ def main(argv: list[str] | None = None) -> None:
             plot(ordered, os.path.join(folder, "fit.png"), args.quick)
 
     def save(result: dict[str, Any]) -> None:
-        results[result["model"]] = result
+        results[result["model"]] = merge_runs(earlier.get(result["model"]), result)
         write()
 
-    for name in args.models:
+    if args.from_json:
+        write(final=True)
+        return
+    for name in [] if args.price_only else args.models:
         fc = cases[name]
         budgets = list(args.budgets or fc.budgets)
-        results[name] = plan_model(name, fc, budgets, timed_fit=not args.no_fit, save=save)
-        write()
+        save(plan_model(name, fc, budgets, timed_fit=not args.no_fit, save=save))
     if not args.no_price:
         for name in args.models:
             if cases[name].price is not None:
