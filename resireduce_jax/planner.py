@@ -596,6 +596,10 @@ class LargestBatch:
         )
 
 
+MAX_GROWTH = 4
+"""Interpolation grows the batch at most this many times per probe before one fails."""
+
+
 def _next_probe(
     peaks: Mapping[int, int], lo: int, hi: int | None, budget: int, max_batch: int, bisect: bool
 ) -> int:
@@ -603,7 +607,8 @@ def _next_probe(
 
     Interpolation: the line through the compiled peaks nearest the budget (``lo`` and
     ``hi``, or the two largest fitting batches) predicts the largest fitting batch; the
-    guess is kept strictly inside the bracket (above ``lo`` without a failing batch yet).
+    guess is kept strictly inside the bracket (above ``lo`` and at most
+    ``MAX_GROWTH * lo`` without a failing batch yet).
     ``bisect``: the midpoint, or double ``lo`` while no batch has failed.
     """
     upper = (max_batch + 1) if hi is None else hi
@@ -623,6 +628,11 @@ def _next_probe(
         guess = (lo + upper) // 2 if hi is not None else 2 * lo
     else:
         guess = lo + math.floor((budget - peaks[lo]) / slope)
+    if hi is None:
+        # No batch has failed yet: a flat stretch of peaks (a rotor plan that absorbs the
+        # batch) extrapolates far past where peaks turn steep, and compiling a huge batch
+        # costs minutes. Grow at most MAX_GROWTH-fold per probe.
+        guess = min(guess, MAX_GROWTH * lo)
     return max(lo + 1, min(guess, upper - 1, max_batch))
 
 

@@ -323,3 +323,12 @@ def test_a_checkpointed_stage_with_unread_per_worker_outputs_differentiates_in_s
     h = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
     expected = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.ones((16, 4)) @ w)))(jnp.eye(4))
     assert jnp.allclose(step(w, h), expected, atol=1e-5)
+
+
+def test_interpolation_grows_the_batch_at_most_fourfold_before_a_batch_fails():
+    """Flat peaks (a plan that absorbs the batch) must not send the search to max_batch."""
+    flat = {2: 10_000_000, 6: 10_000_001}  # one byte more for four more samples
+    probe = planner._next_probe(flat, 6, None, 12_000_000, 512, bisect=False)
+    assert 6 < probe <= 4 * 6
+    steep = {2: 1_000, 4: 2_000}  # affine: the line's prediction is kept when it is near
+    assert planner._next_probe(steep, 4, None, 7_000, 512, bisect=False) == 14
