@@ -63,10 +63,10 @@ from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import (
     Compressor,
-    after,
     axis_size,
     check_axis_bound,
     dense_mean,
+    ordered,
 )
 from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
 
@@ -338,7 +338,8 @@ class _Exchange:
             new_cstates[i] = _where_skip(skip, cstates[i], reduced.state)
             return reduced.residual
 
-        previous_shared = None
+        shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
+        previous_shared: str | None = None  # the last shared group's label
         for store in plan.stores:
             label = store.group.label
             stored = state.residuals.get(label)
@@ -351,20 +352,29 @@ class _Exchange:
                 r = send(i, stores.compensate(store, stored, leaves[i]), skip)
                 new_residuals[label] = r.astype(store.dtype)
             elif store.shared:
-                residual = self._update_shared(store, stored, leaves, send, previous_shared)
-                new_residuals[label] = previous_shared = _where_skip(skip, stored, residual)
+                # Shared groups run one after another: the raw new residual of the last one
+                # orders this one's first member (and comes back from the barrier).
+                before = shared_residuals.get(previous_shared) if previous_shared else None
+                residual, before = self._update_shared(store, stored, leaves, send, before)
+                if previous_shared:
+                    shared_residuals[previous_shared] = before
+                shared_residuals[label] = residual
+                previous_shared = label
             else:  # "rows" / "2d"
                 (i,) = store.group.members
                 compensated = stores.compensate(store, stored, leaves[i])
                 norms = None
                 if store.norm_source == "compensated":  # the reference code's rows/columns
                     norms = stores.dimension_norms(store, compensated)  # two vectors
-                    compensated = after(compensated, norms)  # read G~ before it is consumed
+                    # Read G~ before it is consumed (and use the norms behind the barrier).
+                    compensated, norms = ordered(compensated, norms)
                 r = send(i, compensated, None)
                 key = _selection_key(self.seed, state.count, i, self.worker_axes, store)
                 kept = stores.compress_residual(store, r, key, norms)
                 new_residuals[label] = _where_skip(skip, stored, kept)
 
+        for label, residual in shared_residuals.items():
+            new_residuals[label] = _where_skip(skip, state.residuals[label], residual)
         for i in plan.dense:  # small leaves: plain all-reduce, no residual
             mean = dense_mean(leaves[i], self.worker_axes)
             out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
@@ -377,28 +387,33 @@ class _Exchange:
         return treedef.unflatten(out), new_state
 
     @staticmethod
-    def _update_shared(store, stored, leaves, send, previous_shared):
+    def _update_shared(store, stored, leaves, send, previous):
         """One step of a shared group (§4.2): members in order, running weighted sum.
 
         Member ``i+1`` starts after member ``i`` was added to the sum, and the group's
-        first member after the previous shared group finished, so one running sum and one
-        member's transient residual are alive at a time.
+        first member after ``previous`` (the previous shared group's new residual) was
+        computed, so one running sum and one member's transient residual are alive at a
+        time. Returns the group's new residual and ``previous``, which the caller must use
+        in place of its own: the ordering holds only if the barrier's result is used.
         """
         acc = None
         for i in store.group.members:
-            dependency = previous_shared if acc is None else acc.total
-            g = leaves[i] if dependency is None else after(leaves[i], dependency)
+            g = leaves[i]
+            if acc is not None:
+                g, acc = ordered(g, acc)
+            elif previous is not None:
+                g, previous = ordered(g, previous)
             compensated = stores.compensate(store, stored, g)
             if store.kind == "weighted" and store.weight_source == "compensated":
                 weight = stores.residual_weight(compensated, store.phi, store.shard)
-                compensated = after(compensated, weight)  # read G~ before it is updated
+                compensated, weight = ordered(compensated, weight)  # read G~ before update
             r = send(i, compensated, None)
             if store.kind == "average":
                 weight = jnp.ones([], jnp.float32)
             elif store.weight_source == "residual":
                 weight = stores.residual_weight(r, store.phi, store.shard)
             acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
-        return acc.finish(store)
+        return acc.finish(store), previous
 
 
 def exchange(

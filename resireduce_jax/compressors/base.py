@@ -40,13 +40,13 @@ Randomness = Literal["none", "shared", "per_worker"]
 __all__ = [
     "Compressor",
     "Reduced",
-    "after",
     "all_gather",
     "axis_size",
     "check_axis_bound",
     "check_int",
     "dense_mean",
     "gathered_mean",
+    "ordered",
     "sparse_mean",
     "zeros_varying_like",
 ]
@@ -170,16 +170,18 @@ class Compressor(abc.ABC):
         return dense / self.payload_bytes(shape, dtype)
 
 
-def after(x: PyTree, dependency: jax.Array) -> PyTree:
-    """``x``, but only once ``dependency`` is computed: a data dependency XLA keeps.
+def ordered(x: PyTree, dependency: PyTree) -> tuple[PyTree, PyTree]:
+    """``(x, dependency)``, unchanged, with every use of the returned ``x`` ordered after
+    ``dependency`` is computed: a data dependency XLA keeps.
 
-    ``optimization_barrier`` returns its operands unchanged and XLA may not move uses of
-    its outputs before it (on CPU, with the ``cse_barrier_expander`` pass disabled by
-    :func:`resireduce_jax.runtime.configure_cpu`). Values are untouched, so NaN/Inf in
-    ``dependency`` cannot leak into ``x``.
+    Both go through one ``optimization_barrier`` (not CSE'd on CPU: the
+    ``cse_barrier_expander`` pass is disabled by :func:`resireduce_jax.runtime.configure_cpu`).
+    **Use the returned dependency** in place of the original: XLA drops the operands of a
+    barrier whose results are unused, and with them the ordering (``x, _ =
+    optimization_barrier((x, dependency))`` orders nothing). Values are untouched, so
+    NaN/Inf in ``dependency`` cannot leak into ``x``.
     """
-    x, _ = lax.optimization_barrier((x, dependency))
-    return x
+    return lax.optimization_barrier((x, dependency))
 
 
 def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
