@@ -111,8 +111,21 @@ def optimizer(name: str):
     }[name]()
 
 
-def compile_peak(model: str, variant: str, opt: str, guard: str, **sizes: Any) -> dict[str, Any]:
-    """Compiles one case (``sizes`` override the model's defaults); its per-worker peak."""
+def compile_peak(
+    model: str,
+    variant: str,
+    opt: str,
+    guard: str,
+    *,
+    keep_hlo: bool = False,
+    order_weight_update: bool = False,
+    **sizes: Any,
+) -> dict[str, Any]:
+    """Compiles one case (``sizes`` override the model's defaults); its per-worker peak.
+
+    ``keep_hlo``: also return the optimized HLO text under ``"hlo"``.
+    ``order_weight_update``: passed to ``rr.parallel.data_parallel_step``.
+    """
     import jax
     import optax
     from jax.sharding import NamedSharding
@@ -132,7 +145,7 @@ def compile_peak(model: str, variant: str, opt: str, guard: str, **sizes: Any) -
     if guard != "none":
         tx = rr.skip_nonfinite(tx, strict=guard == "strict")
     mesh = rr.parallel.make_mesh(8)
-    step = rr.parallel.data_parallel_step(loss, tx, mesh)
+    step = rr.parallel.data_parallel_step(loss, tx, mesh, order_weight_update=order_weight_update)
     step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
     sharded = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params
@@ -152,6 +165,7 @@ def compile_peak(model: str, variant: str, opt: str, guard: str, **sizes: Any) -
         **peak.as_dict(),
         "residual_bytes": rr.memory.model_state_bytes(params, tx).residuals,
         "compile_seconds": time.perf_counter() - start,
+        **({"hlo": compiled.as_text()} if keep_hlo else {}),
     }
 
 

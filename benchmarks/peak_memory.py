@@ -77,6 +77,7 @@ ORIGINS = (
     "forward",
     "backward",
     "exchange/update",
+    "constant",
 )
 
 
@@ -122,7 +123,8 @@ def parse_hlo(text: str) -> dict[str, dict[str, Any]]:
 def origin(instructions: dict[str, dict[str, Any]], name: str) -> tuple[bool, str, str]:
     """``(copied, kind, source)`` of a value: followed through ``copy``/``bitcast`` to what
     made it; kind is an argument (params, optimizer, residuals, other), a forward or
-    backward value, or an exchange/update value (by the jax ``op_name`` metadata)."""
+    backward value, an exchange/update value (by the jax ``op_name`` metadata), or a
+    constant (an array filled from scalar constants)."""
     copied, op_name = False, ""
     for _ in range(8):
         ins = instructions.get(name)
@@ -141,12 +143,26 @@ def origin(instructions: dict[str, dict[str, Any]], name: str) -> tuple[bool, st
                 kind = "params" if source.startswith("params") else "other"
             return copied, f"argument: {kind}", source
         op_name = ins["op_name"] or op_name
+        if _is_constant_fill(instructions, ins):
+            return copied, "constant", op_name
         break
     if "transpose(jvp" in op_name:
         return copied, "backward", op_name
     if "jvp(" in op_name:
         return copied, "forward", op_name
     return copied, "exchange/update", op_name
+
+
+def _is_constant_fill(instructions: dict[str, dict[str, Any]], ins: dict[str, Any]) -> bool:
+    """Whether ``ins`` is a constant, or fills an array from scalar constants only (a
+    broadcast of ``0``, e.g. the buffer a scatter-add starts from): its copy materializes
+    a fresh buffer, it duplicates no value."""
+    if ins["opcode"] == "constant":
+        return True
+    if ins["opcode"] not in ("broadcast", "fusion") or not ins["operands"]:
+        return False
+    sources = [instructions.get(o) for o in ins["operands"]]
+    return all(s and s["opcode"] == "constant" and "[]" in s["type"] for s in sources)
 
 
 def _array(type_: str) -> tuple[int, str, str]:
