@@ -339,7 +339,6 @@ class _Exchange:
             return reduced.residual
 
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
-        previous_shared: str | None = None  # the last shared group's label
         for store in plan.stores:
             label = store.group.label
             stored = state.residuals.get(label)
@@ -352,14 +351,7 @@ class _Exchange:
                 r = send(i, stores.compensate(store, stored, leaves[i]), skip)
                 new_residuals[label] = r.astype(store.dtype)
             elif store.shared:
-                # Shared groups run one after another: the raw new residual of the last one
-                # orders this one's first member (and comes back from the barrier).
-                before = shared_residuals.get(previous_shared) if previous_shared else None
-                residual, before = self._update_shared(store, stored, leaves, send, before)
-                if previous_shared:
-                    shared_residuals[previous_shared] = before
-                shared_residuals[label] = residual
-                previous_shared = label
+                shared_residuals[label] = self._update_shared(store, stored, leaves, send)
             else:  # "rows" / "2d"
                 (i,) = store.group.members
                 compensated = stores.compensate(store, stored, leaves[i])
@@ -387,22 +379,20 @@ class _Exchange:
         return treedef.unflatten(out), new_state
 
     @staticmethod
-    def _update_shared(store, stored, leaves, send, previous):
+    def _update_shared(store, stored, leaves, send):
         """One step of a shared group (§4.2): members in order, running weighted sum.
 
-        Member ``i+1`` starts after member ``i`` was added to the sum, and the group's
-        first member after ``previous`` (the previous shared group's new residual) was
-        computed, so one running sum and one member's transient residual are alive at a
-        time. Returns the group's new residual and ``previous``, which the caller must use
-        in place of its own: the ordering holds only if the barrier's result is used.
+        Member ``i+1`` starts after member ``i`` was added to the sum, so one running sum
+        and one member's transient residual are alive at a time. Groups are not ordered
+        among themselves: the backward pass produces gradients from the last layer to the
+        first, and a chain of groups in parameter order would hold every gradient until
+        the first layer's (measured: +10 MiB on ResNet-50 width 32).
         """
         acc = None
         for i in store.group.members:
             g = leaves[i]
             if acc is not None:
                 g, acc = ordered(g, acc)
-            elif previous is not None:
-                g, previous = ordered(g, previous)
             compensated = stores.compensate(store, stored, g)
             if store.kind == "weighted" and store.weight_source == "compensated":
                 weight = stores.residual_weight(compensated, store.phi, store.shard)
@@ -413,7 +403,7 @@ class _Exchange:
             elif store.weight_source == "residual":
                 weight = stores.residual_weight(r, store.phi, store.shard)
             acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
-        return acc.finish(store), previous
+        return acc.finish(store)
 
 
 def exchange(
