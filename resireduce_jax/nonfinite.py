@@ -19,7 +19,7 @@ Two modes (docs/design.md, "The non-finite guard"):
   at the end of the backward pass; in exchange every update is ordered after it, so the
   donated step keeps no copy of the weights, which an unguarded step does (XLA cannot
   order the in-place weight update after the backward pass's reads of the old weights).
-  Measured with the skip-aware optimizers: -1.8 % to +3.1 % of the unguarded peak
+  Measured with the skip-aware optimizers: -1.5 % to +3.8 % of the unguarded peak
   (``benchmarks/results/guard_cost.md``).
 * **lean** (``strict=False``). Each gradient is sanitized locally, element by element
   (NaN/Inf -> 0), and streams through the exchange as in an unguarded step; the one late
@@ -29,10 +29,10 @@ Two modes (docs/design.md, "The non-finite guard"):
   writes: shared and intra-layer stores keep their residual exactly, a leaf's own
   residual takes back what the exchange took out of it and holds
   ``G~ = sanitize(G) + R``: the step's finite local gradient is deferred to later steps,
-  like anything error feedback has not sent yet, never applied. Lower on some models
-  (-1.3 % vs +0.0 % on the transformer stack with EF), higher on others (+5.9 % vs
-  +2.8 % on the conv stack): XLA:CPU's scheduler then starts the first exchanges while
-  all forward activations are alive.
+  like anything error feedback has not sent yet, never applied. Measured above strict
+  (+0.1 % vs -0.4 % on the transformer stack with EF, +5.0 % vs +2.8 % on the conv
+  stack): the exchanged means wait for the late decision of the skip-aware optimizers,
+  and XLA:CPU's scheduler starts the first exchanges while forward activations are alive.
 
 Optimizers whose state is not skip-aware (optax's own) are guarded by a final
 ``where(ok, new, old)`` over their state (``guard_optimizer_state=True``): XLA then keeps
