@@ -112,3 +112,59 @@ def test_memory_report_has_the_variant_beside_ef_and_dense():
     assert report.row("w+2d")["residuals"] < report.row("ef")["residuals"]
     text = report.text()
     assert "w+2d" in text and "dense" in text and "peak MiB" in text
+
+
+def _accuracy_payload(runs, variants, command):
+    import accuracy
+
+    tasks = sorted({r["task"] for r in runs})
+    return {
+        "command": command,
+        "overrides": {},
+        "variants": variants,
+        "complete": True,
+        "settings": {t: {"steps": 1} for t in tasks},
+        "seconds": 10.0,
+        "summary": accuracy.summarize(runs, tasks, variants),
+        "runs": runs,
+    }
+
+
+def _run(task, variant, seed, final):
+    return {
+        "task": task,
+        "variant": variant,
+        "seed": seed,
+        "final": final,
+        "residual_bytes": 1,
+        "ef_residual_bytes": 2,
+        "skipped_steps": 0,
+        "seconds": 1.0,
+    }
+
+
+def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
+    import accuracy
+
+    before = _accuracy_payload(
+        [_run("digits", "ef", 0, 90.0), _run("digits", "ef", 1, 92.0)], ["ef"], "first"
+    )
+    now = _accuracy_payload(
+        [
+            _run("digits", "ef", 1, 96.0),  # replaces seed 1
+            _run("byte_gpt_deep", "ef", 0, 10.0),
+            _run("byte_gpt_deep", "w+2d", 0, 10.5),
+        ],
+        ["ef", "w+2d"],
+        "second",
+    )
+    merged = accuracy.merge_payloads(before, now)
+    assert merged["commands"] == ["first", "second"]
+    assert list(merged["settings"]) == ["digits", "byte_gpt_deep"]  # TASKS order
+    assert merged["variants"] == ["ef", "w+2d"]
+    assert merged["seconds"] == 20.0
+    rows = {(r["task"], r["variant"]): r for r in merged["summary"]}
+    assert rows[("digits", "ef")]["finals"] == [90.0, 96.0]
+    assert rows[("digits", "ef")]["mean"] == 93.0
+    assert rows[("byte_gpt_deep", "w+2d")]["delta_vs_ef"] == 0.5
+    assert len(merged["runs"]) == 4
