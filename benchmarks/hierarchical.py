@@ -19,7 +19,16 @@ Writes ``benchmarks/results/hierarchical.{json,md}``. Usage::
     python benchmarks/hierarchical.py
     python benchmarks/hierarchical.py --no-accuracy --repeats 3
     python benchmarks/hierarchical.py --tasks digits --seeds 2 --byte-gpt-steps 400
+    python benchmarks/hierarchical.py --accuracy-only --tasks byte_gpt_deep --local 4 \
+        --seeds 2 --flat-from benchmarks/results/accuracy.json
     python benchmarks/hierarchical.py --from-json      # re-render the markdown
+
+``--accuracy-only`` trains only the named runs and merges them into the existing
+``hierarchical.json`` (a task, variant, layout and seed trained again replaces its earlier
+record; bytes and step times are kept), writing the results after every run.
+``--flat-from`` takes the flat runs from an ``accuracy.json`` of the same task, variant,
+seed and schedule instead of training them again: the flat layout is the accuracy
+benchmark's configuration (``local_devices`` unset).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from common import NUM_WORKERS, RESULTS, environment, write_results
@@ -112,24 +123,61 @@ def measure_time(variant: str, *, repeats: int, steps: int) -> list[dict[str, An
     ]
 
 
-def measure_accuracy(tasks, seeds: int, byte_gpt_steps: int) -> list[dict[str, Any]]:
+def _flat_records(path: str | None) -> dict[tuple[str, str, int, int], dict[str, Any]]:
+    """Flat runs of an ``accuracy.json``, by (task, variant, seed, steps)."""
+    if path is None:
+        return {}
+    runs = json.loads(Path(path).read_text())["runs"]
+    return {(r["task"], r["variant"], r["seed"], r["steps"]): r for r in runs}
+
+
+def measure_accuracy(
+    tasks,
+    seeds: int,
+    byte_gpt_steps: int,
+    local: tuple[int, ...] = LOCAL,
+    flat_from: str | None = None,
+    on_record: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Trains every (task, variant, layout, seed); flat runs may come from ``flat_from``.
+
+    ``on_record`` is called with the runs so far after each one, to save them as they come.
+    """
     import accuracy
 
+    reusable = _flat_records(flat_from)
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for task in tasks:
             steps = byte_gpt_steps if task == "byte_gpt" else None
+            planned_steps = steps or accuracy.TASKS[task].overrides["num_steps"]
             for variant in VARIANTS:
-                for name, local in _layouts():
-                    if local == 1:
-                        continue  # bit for bit the flat run (tests/test_hierarchical.py)
+                for name, n in _layouts():
+                    if n == 1 or (n and n not in local):
+                        continue  # L=1 is bit for bit the flat run (tests/test_hierarchical.py)
                     for seed in range(seeds):
-                        extra = {"local_devices": local}
-                        record = accuracy.train_one(task, variant, seed, steps, extra, scratch)
+                        earlier = reusable.get((task, variant, seed, planned_steps))
+                        if name == FLAT and earlier is not None:
+                            record = {**earlier, "from": flat_from}
+                        else:
+                            extra = {"local_devices": n}
+                            record = accuracy.train_one(task, variant, seed, steps, extra, scratch)
                         record["layout"] = name
                         runs.append(record)
                         print(f"{task} {variant} {name} seed {seed}: {record['final']:.3f}")
+                        if on_record is not None:
+                            on_record(runs)
     return runs
+
+
+def merge_accuracy(before: list[dict], now: list[dict]) -> list[dict]:
+    """``before`` with every run of ``now`` added; a run trained again replaces its record."""
+
+    def key(r: dict) -> tuple:
+        return r["task"], r["variant"], r["layout"], r["seed"]
+
+    replaced = {key(r) for r in now}
+    return [r for r in before if key(r) not in replaced] + now
 
 
 def _mib(n: float) -> str:
@@ -184,26 +232,31 @@ def markdown(payload: dict[str, Any]) -> str:
         lines += [
             "## Accuracy",
             "",
-            "Final eval metric (digits: accuracy %, byte_gpt: perplexity after "
-            f"{payload.get('byte_gpt_steps')} steps), mean ± standard deviation over seeds "
-            "(L=1 is the flat run bit for bit and is not trained again).",
+            "Final eval metric (digits: accuracy %, byte-level GPTs: perplexity), mean ± "
+            "standard deviation over seeds, after the steps shown (L=1 is the flat run bit "
+            "for bit and is not trained again). Flat rows marked * are the accuracy "
+            "benchmark's own runs of the same task and schedule (`--flat-from`).",
             "",
-            "| task | variant | layout | seeds | final | vs flat |",
-            "|---|---|---|---:|---:|---:|",
+            "| task | steps | variant | layout | seeds | final | vs flat |",
+            "|---|---:|---|---|---:|---:|---:|",
         ]
         keys = sorted({(r["task"], r["variant"]) for r in runs}, key=str)
         for task, variant in keys:
+            mine = [r for r in runs if (r["task"], r["variant"]) == (task, variant)]
+            order = [name for name, _ in _layouts()]
             by_layout: dict[str, list[float]] = {}
-            for r in runs:
-                if (r["task"], r["variant"]) == (task, variant):
-                    by_layout.setdefault(r["layout"], []).append(r["final"])
+            for r in sorted(mine, key=lambda r: order.index(r["layout"])):
+                by_layout.setdefault(r["layout"], []).append(r["final"])
+            steps = "/".join(str(s) for s in sorted({r["steps"] for r in mine}))
+            reused = any(r["layout"] == FLAT and "from" in r for r in mine)
             flat = statistics.mean(by_layout.get(FLAT, [float("nan")]))
             for layout, values in by_layout.items():
                 mean = statistics.mean(values)
                 std = statistics.stdev(values) if len(values) > 1 else 0.0
+                mark = "*" if layout == FLAT and reused else ""
                 lines.append(
-                    f"| {task} | {variant} | {layout} | {len(values)} | {mean:.2f} ± {std:.2f} | "
-                    f"{mean - flat:+.2f} |"
+                    f"| {task} | {steps} | {variant} | {layout}{mark} | {len(values)} | "
+                    f"{mean:.2f} ± {std:.2f} | {mean - flat:+.2f} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -218,6 +271,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", nargs="+", default=["digits", "byte_gpt"])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--byte-gpt-steps", type=int, default=400)
+    parser.add_argument(
+        "--local",
+        nargs="+",
+        type=int,
+        default=[n for n in LOCAL if n > 1],
+        choices=[n for n in LOCAL if n > 1],
+        help="devices per node for the accuracy runs (flat is always included)",
+    )
+    parser.add_argument(
+        "--accuracy-only",
+        action="store_true",
+        help="train only the accuracy runs and merge them into the existing hierarchical.json",
+    )
+    parser.add_argument(
+        "--flat-from",
+        metavar="ACCURACY_JSON",
+        help="take flat runs of the same task, variant, seed and steps from this file",
+    )
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument(
         "--from-json", action="store_true", help="re-render hierarchical.md from its JSON"
@@ -232,13 +303,29 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure_cpu(NUM_WORKERS)
     start = time.perf_counter()
+    if args.accuracy_only:
+        payload = json.loads((Path(args.out) / "hierarchical.json").read_text())
+        before = payload.get("accuracy", [])
+        seconds = payload.get("seconds", 0.0)
+
+        def save(now: list[dict[str, Any]]) -> None:  # after every run: a long job keeps its part
+            payload["accuracy"] = merge_accuracy(before, now)
+            payload["seconds"] = seconds + time.perf_counter() - start
+            write_results("hierarchical", payload, markdown(payload), args.out)
+
+        measure_accuracy(
+            args.tasks, args.seeds, args.byte_gpt_steps, tuple(args.local), args.flat_from, save
+        )
+        return
     payload: dict[str, Any] = {"bytes": {v: measure_bytes(v) for v in VARIANTS}}
     if not args.no_time:
         payload["time"] = {
             v: measure_time(v, repeats=args.repeats, steps=args.steps) for v in VARIANTS
         }
     if not args.no_accuracy:
-        payload["accuracy"] = measure_accuracy(args.tasks, args.seeds, args.byte_gpt_steps)
+        payload["accuracy"] = measure_accuracy(
+            args.tasks, args.seeds, args.byte_gpt_steps, tuple(args.local), args.flat_from
+        )
         payload["byte_gpt_steps"] = args.byte_gpt_steps
     payload = environment(seconds=time.perf_counter() - start, **payload)
     write_results("hierarchical", payload, markdown(payload), args.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -168,3 +169,54 @@ def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
     assert rows[("digits", "ef")]["mean"] == 93.0
     assert rows[("byte_gpt_deep", "w+2d")]["delta_vs_ef"] == 0.5
     assert len(merged["runs"]) == 4
+
+
+def test_hierarchical_accuracy_reuses_flat_runs_and_merges_by_layout(tmp_path, monkeypatch):
+    import accuracy
+    import hierarchical
+
+    trained = []
+
+    def fake_train_one(task, variant, seed, steps, extra, scratch):
+        trained.append((task, variant, extra["local_devices"], seed))
+        return {**_run(task, variant, seed, 20.0 + extra["local_devices"]), "steps": 1200}
+
+    monkeypatch.setattr(accuracy, "train_one", fake_train_one)
+    flat_file = tmp_path / "accuracy.json"
+    flat_runs = [
+        {**_run("byte_gpt_deep", v, s, 10.0 + s), "steps": 1200}
+        for v in ("ef", "w+2d")
+        for s in (0, 1)
+    ]
+    flat_file.write_text(json.dumps({"runs": flat_runs[:3]}))  # w+2d seed 1 is missing
+    saved = []
+    now = hierarchical.measure_accuracy(
+        ["byte_gpt_deep"], 2, 400, (4,), str(flat_file), on_record=lambda r: saved.append(len(r))
+    )
+    # Only L=4 everywhere and the one missing flat run are trained; L=2 and L=8 are not.
+    assert sorted(trained) == sorted(
+        [("byte_gpt_deep", v, 4, s) for v in ("ef", "w+2d") for s in (0, 1)]
+        + [("byte_gpt_deep", "w+2d", 0, 1)]
+    )
+    assert saved == list(range(1, 9))  # saved after every one of the 8 runs
+    flat = {(r["variant"], r["seed"]): r for r in now if r["layout"] == "flat"}
+    assert flat[("ef", 1)]["final"] == 11.0 and flat[("ef", 1)]["from"] == str(flat_file)
+    assert "from" not in flat[("w+2d", 1)]
+
+    before = [
+        {**_run("byte_gpt_deep", "ef", 0, 99.0), "steps": 1200, "layout": "L=4"},
+        {**_run("digits", "ef", 0, 98.0), "steps": 300, "layout": "L=4"},
+    ]
+    merged = hierarchical.merge_accuracy(before, now)
+    assert len(merged) == 9  # the rerun replaced its record, digits kept
+    assert [
+        r["final"]
+        for r in merged
+        if r["task"] == "byte_gpt_deep"
+        and r["layout"] == "L=4"
+        and r["variant"] == "ef"
+        and r["seed"] == 0
+    ] == [24.0]
+    table = hierarchical.markdown({"bytes": {}, "accuracy": merged})
+    assert "| byte_gpt_deep | 1200 | ef | flat* | 2 | 10.50 ± 0.71 | +0.00 |" in table
+    assert "| byte_gpt_deep | 1200 | ef | L=4 | 2 | 24.00 ± 0.00 | +13.50 |" in table
