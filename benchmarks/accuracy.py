@@ -28,7 +28,9 @@ Tasks (8 simulated CPU workers, top-k at 1 % density):
 * ``byte_gpt_deep``: the same at 12 layers, so that a group of 3 is a quarter of the
   stack as in the paper (3 of GPT-2's 24 blocks), 3 seeds;
 * ``byte_gpt_sgdm``: ``byte_gpt`` under SGD-momentum, to tell whether "top-k without EF
-  beats EF" comes from AdamW.
+  beats EF" comes from AdamW;
+* ``byte_gpt_deep_sgdm``: ``byte_gpt_deep`` under SGD-momentum, the same question at
+  paper depth (and whether w+2d's gap to EF there is AdamW's).
 
 Tasks can be added to an earlier result with ``--merge`` (the README's figures were
 produced that way: ``--tasks byte_gpt_deep --merge`` after the first two tasks).
@@ -152,6 +154,29 @@ TASKS: dict[str, Task] = {
         default_seeds=2,
         description="the byte_gpt task under SGD-momentum 0.9, learning rate 0.3, clip 1.0, "
         "cosine schedule",
+    ),
+    # The same question at paper depth: is w+2d's gap to EF on byte_gpt_deep AdamW's? The
+    # 3-layer task's learning rate, not swept again at 12 layers (gradients are clipped).
+    "byte_gpt_deep_sgdm": Task(
+        config="byte_gpt",
+        overrides={
+            "model.overrides": {"num_layers": 12, "width": 64, "num_heads": 4, "max_len": 64},
+            "num_steps": 1200,
+            "optimizer.name": "sgd",
+            "optimizer.kwargs": {"momentum": 0.9},
+            "optimizer.learning_rate": 0.3,
+            "optimizer.weight_decay": 0.0,
+            "compression.intra_layers": r"^wte/embedding$",
+            "eval_every": 200,
+            "log_every": 50,
+        },
+        metric="perplexity",
+        higher_is_better=False,
+        scale=1.0,
+        unit="perplexity",
+        default_seeds=2,
+        description="the byte_gpt_deep task under SGD-momentum 0.9, learning rate 0.3 (the "
+        "3-layer sweep's), clip 1.0, cosine schedule",
     ),
 }
 
