@@ -489,6 +489,12 @@ def main(argv: list[str] | None = None) -> None:
         help="seeds per variant (default: 3 for digits, 2 for byte_gpt)",
     )
     parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="run seeds first_seed, first_seed + 1, ... (to add seeds with --merge)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=None, help="training steps (default: per task, see TASKS)"
     )
     parser.add_argument(
@@ -543,7 +549,9 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [
         (task_name, variant, seed)
         for task_name in args.tasks
-        for seed in range(args.seeds or TASKS[task_name].default_seeds)
+        for seed in range(
+            args.first_seed, args.first_seed + (args.seeds or TASKS[task_name].default_seeds)
+        )
         for variant in args.variants
     ]
     previous = os.path.join(args.out, "accuracy.json")
