@@ -207,7 +207,9 @@ def resireduce(
         store is sharded over ``local_axis`` (``1/L`` per device); member weights and
         row/column norms are taken over the whole layer, and the selection along the
         split dimension of an intra-layer store is made per shard
-        (:mod:`resireduce_jax.residual_stores`, :mod:`resireduce_jax.exchange`).
+        (:mod:`resireduce_jax.residual_stores`, :mod:`resireduce_jax.exchange`). The
+        compressor's ratio applies to each shard (multiply it by ``L`` to keep a flat
+        run's bytes per device).
       grouping: which leaves share a residual: a labels pytree or a callable
         ``params -> labels`` (:mod:`resireduce_jax.grouping`); default
         ``grouping.auto()`` (adjacent same-role, same-shape leaves, up to 3).

@@ -82,7 +82,9 @@ def compressed_mean(
         them, e.g. a flat exchange over a ``("data", "local")`` mesh).
       local_axis: hierarchical exchange over a node's devices (dense reduce-scatter and
         all-gather over ``local_axis``, compressed exchange over ``axis_name`` only;
-        :mod:`resireduce_jax.exchange`). ``None``: flat.
+        :mod:`resireduce_jax.exchange`). ``None``: flat. The compressor's ratio applies
+        to each device's shard, so a node sends that fraction of its mean gradient;
+        multiply it by ``L`` to keep a flat run's bytes per device.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys of randomized compressors.
 
