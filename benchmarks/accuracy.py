@@ -347,6 +347,11 @@ def markdown(payload: dict[str, Any]) -> str:
             "**Incomplete run**: stopped early; only the finished runs are shown.",
             "",
         ]
+    commands = payload.get("commands") or [payload["command"]]
+    lines += ["Produced by: " + "; ".join(f"`{c}`" for c in commands) + ".", ""]
+    if payload.get("overrides"):
+        applied = ", ".join(f"`{k}={v}`" for k, v in payload["overrides"].items())
+        lines += [f"**Config overrides on every run**: {applied}.", ""]
     for task_name, s in payload["settings"].items():
         task = TASKS[task_name]
         better = "higher" if task.higher_is_better else "lower"

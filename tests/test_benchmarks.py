@@ -169,6 +169,23 @@ def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
     assert rows[("digits", "ef")]["mean"] == 93.0
     assert rows[("byte_gpt_deep", "w+2d")]["delta_vs_ef"] == 0.5
     assert len(merged["runs"]) == 4
+    setting = {
+        "description": "d",
+        "steps": 1,
+        "workers": 8,
+        "batch_per_worker": 1,
+        "compressor": "topk",
+        "density": 0.01,
+        "min_size": 1,
+        "max_group_size": 3,
+        "intra_layers": "x",
+    }
+    merged = {**merged, "settings": dict.fromkeys(merged["settings"], setting), "cpu_count": 2}
+    table = accuracy.markdown(merged)
+    assert "Produced by: `first`; `second`." in table
+    assert "overrides" not in table.lower()  # none were set
+    table = accuracy.markdown({**merged, "overrides": {"local_devices": 4}})
+    assert "**Config overrides on every run**: `local_devices=4`." in table
 
 
 def test_hierarchical_accuracy_reuses_flat_runs_and_merges_by_layout(tmp_path, monkeypatch):
