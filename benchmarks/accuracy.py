@@ -76,6 +76,38 @@ class Task:
     description: str
 
 
+def _byte_gpt_task(overrides: dict[str, Any], *, default_seeds: int, description: str) -> Task:
+    """A task on ``configs/byte_gpt.py``: 1200 steps, eval perplexity, ``overrides`` on top."""
+    return Task(
+        config="byte_gpt",
+        overrides={
+            "num_steps": 1200,
+            # The config's intra_layers="auto" picks singletons holding >= 10 % of the
+            # compressed elements; at width 64 the byte embedding holds 9.7 %, so "2d" would
+            # change nothing. Name it, as configs/gpt2_*_wikitext.py do for GPT-2.
+            "compression.intra_layers": r"^wte/embedding$",
+            "eval_every": 200,
+            "log_every": 50,
+            **overrides,
+        },
+        metric="perplexity",
+        higher_is_better=False,
+        scale=1.0,
+        unit="perplexity",
+        default_seeds=default_seeds,
+        description=description,
+    )
+
+
+_TWELVE_LAYERS = {"model.overrides": {"num_layers": 12, "width": 64, "num_heads": 4, "max_len": 64}}
+# Learning rate from a 400-step dense sweep of byte_gpt over {0.1, 0.3, 1.0}: 0.3 was best.
+_SGD_MOMENTUM = {
+    "optimizer.name": "sgd",
+    "optimizer.kwargs": {"momentum": 0.9},
+    "optimizer.learning_rate": 0.3,
+    "optimizer.weight_decay": 0.0,
+}
+
 TASKS: dict[str, Task] = {
     "digits": Task(
         config="default",
@@ -93,21 +125,8 @@ TASKS: dict[str, Task] = {
         description="MLP on scikit-learn digits (configs/default.py), SGD-momentum 0.1, "
         "cosine schedule",
     ),
-    "byte_gpt": Task(
-        config="byte_gpt",
-        overrides={
-            "num_steps": 1200,
-            # The config's intra_layers="auto" picks singletons holding >= 10 % of the
-            # compressed elements; at width 64 the byte embedding holds 9.7 %, so "2d" would
-            # change nothing. Name it, as configs/gpt2_*_wikitext.py do for GPT-2.
-            "compression.intra_layers": r"^wte/embedding$",
-            "eval_every": 100,
-            "log_every": 10,
-        },
-        metric="perplexity",
-        higher_is_better=False,
-        scale=1.0,
-        unit="perplexity",
+    "byte_gpt": _byte_gpt_task(
+        {"eval_every": 100, "log_every": 10},
         default_seeds=2,
         description="3-layer width-64 byte-level GPT on pydoc text (configs/byte_gpt.py), "
         "AdamW 3e-3, clip 1.0, cosine schedule",
@@ -115,65 +134,25 @@ TASKS: dict[str, Task] = {
     # The paper groups 3 of GPT-2's 24 blocks; at 3 layers a group is the whole model. At
     # 12 layers a group of 3 is a quarter of the stack, the depth at which the paper's
     # grouping is meant to work.
-    "byte_gpt_deep": Task(
-        config="byte_gpt",
-        overrides={
-            "model.overrides": {"num_layers": 12, "width": 64, "num_heads": 4, "max_len": 64},
-            "num_steps": 1200,
-            "compression.intra_layers": r"^wte/embedding$",
-            "eval_every": 200,
-            "log_every": 50,
-        },
-        metric="perplexity",
-        higher_is_better=False,
-        scale=1.0,
-        unit="perplexity",
+    "byte_gpt_deep": _byte_gpt_task(
+        _TWELVE_LAYERS,
         default_seeds=3,
         description="12-layer width-64 byte-level GPT on pydoc text (configs/byte_gpt.py with "
         "num_layers=12), AdamW 3e-3, clip 1.0, cosine schedule",
     ),
     # Does top-k without EF beat EF because of AdamW (whose per-coordinate normalization
     # rescales a residual's delayed mass)? The same 3-layer task under SGD-momentum answers
-    # it. Learning rate from a 400-step dense sweep over {0.1, 0.3, 1.0}: 0.3 was best.
-    "byte_gpt_sgdm": Task(
-        config="byte_gpt",
-        overrides={
-            "num_steps": 1200,
-            "optimizer.name": "sgd",
-            "optimizer.kwargs": {"momentum": 0.9},
-            "optimizer.learning_rate": 0.3,
-            "optimizer.weight_decay": 0.0,
-            "compression.intra_layers": r"^wte/embedding$",
-            "eval_every": 200,
-            "log_every": 50,
-        },
-        metric="perplexity",
-        higher_is_better=False,
-        scale=1.0,
-        unit="perplexity",
+    # it.
+    "byte_gpt_sgdm": _byte_gpt_task(
+        _SGD_MOMENTUM,
         default_seeds=2,
         description="the byte_gpt task under SGD-momentum 0.9, learning rate 0.3, clip 1.0, "
         "cosine schedule",
     ),
     # The same question at paper depth: is w+2d's gap to EF on byte_gpt_deep AdamW's? The
     # 3-layer task's learning rate, not swept again at 12 layers (gradients are clipped).
-    "byte_gpt_deep_sgdm": Task(
-        config="byte_gpt",
-        overrides={
-            "model.overrides": {"num_layers": 12, "width": 64, "num_heads": 4, "max_len": 64},
-            "num_steps": 1200,
-            "optimizer.name": "sgd",
-            "optimizer.kwargs": {"momentum": 0.9},
-            "optimizer.learning_rate": 0.3,
-            "optimizer.weight_decay": 0.0,
-            "compression.intra_layers": r"^wte/embedding$",
-            "eval_every": 200,
-            "log_every": 50,
-        },
-        metric="perplexity",
-        higher_is_better=False,
-        scale=1.0,
-        unit="perplexity",
+    "byte_gpt_deep_sgdm": _byte_gpt_task(
+        {**_TWELVE_LAYERS, **_SGD_MOMENTUM},
         default_seeds=2,
         description="the byte_gpt_deep task under SGD-momentum 0.9, learning rate 0.3 (the "
         "3-layer sweep's), clip 1.0, cosine schedule",

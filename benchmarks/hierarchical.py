@@ -47,6 +47,7 @@ from step_time import CASES as STEP_CASES
 from step_time import Runner
 
 LOCAL = (1, 2, 4, 8)
+SHARDED = tuple(n for n in LOCAL if n > 1)  # L=1 is the flat run bit for bit
 VARIANTS = ("ef", "w+2d")
 CASE = STEP_CASES["gpt2"]
 FLAT = "flat"
@@ -150,7 +151,8 @@ def measure_accuracy(
     with tempfile.TemporaryDirectory() as scratch:
         for task in tasks:
             steps = byte_gpt_steps if task == "byte_gpt" else None
-            planned_steps = steps or accuracy.TASKS[task].overrides["num_steps"]
+            config = accuracy.build_config(accuracy.TASKS[task], "ef", 0, steps, {})
+            planned_steps = config.num_steps  # what a flat run to reuse must have trained
             for variant in VARIANTS:
                 for name, n in _layouts():
                     if n == 1 or (n and n not in local):
@@ -241,9 +243,9 @@ def markdown(payload: dict[str, Any]) -> str:
             "|---|---:|---|---|---:|---:|---:|",
         ]
         keys = sorted({(r["task"], r["variant"]) for r in runs}, key=str)
+        order = [name for name, _ in _layouts()]
         for task, variant in keys:
             mine = [r for r in runs if (r["task"], r["variant"]) == (task, variant)]
-            order = [name for name, _ in _layouts()]
             by_layout: dict[str, list[float]] = {}
             for r in sorted(mine, key=lambda r: order.index(r["layout"])):
                 by_layout.setdefault(r["layout"], []).append(r["final"])
@@ -275,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         "--local",
         nargs="+",
         type=int,
-        default=[n for n in LOCAL if n > 1],
-        choices=[n for n in LOCAL if n > 1],
+        default=list(SHARDED),
+        choices=SHARDED,
         help="devices per node for the accuracy runs (flat is always included)",
     )
     parser.add_argument(
