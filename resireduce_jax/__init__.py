@@ -29,7 +29,7 @@ from resireduce_jax import (
 )
 from resireduce_jax.dgc import DGCState, deep_gradient_compression, dgc_memory
 from resireduce_jax.exchange import ExchangeState, ExchangeTransformation
-from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
+from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite, value_and_guarded_grad
 from resireduce_jax.optimizers import adamw_r, adan_r, lion_r, optimizer_step
 from resireduce_jax.residual_reduction import resireduce
 from resireduce_jax.transforms import compressed_mean, error_feedback
@@ -64,4 +64,5 @@ __all__ = [
     "runtime",
     "skip_nonfinite",
     "tree_paths",
+    "value_and_guarded_grad",
 ]

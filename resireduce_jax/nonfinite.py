@@ -1,38 +1,51 @@
-"""Skipping steps with non-finite gradients on every worker at once, at little memory cost.
+"""Skipping non-finite steps on every worker at once, at no memory cost.
 
 Error feedback has a long memory: a NaN or Inf that reaches a residual is sent again and
 again and poisons every later step. :func:`skip_nonfinite` wraps the whole optax chain
-(exchange transform and optimizer): if *any* worker's local gradient has a NaN or Inf,
-*every* worker skips the step — no parameter moves, optimizer moments and counters stay
-as they were — so workers stay consistent, and no non-finite value is ever stored.
-Skips are counted in the state, with the index of the first offending leaf.
+(exchange transform and optimizer): if *any* worker's step is non-finite, *every* worker
+skips it — no parameter moves, optimizer moments and counters stay as they were — so
+workers stay consistent, and no non-finite value is ever stored. Skips are counted in the
+state, with the index of the first offending leaf.
 
-Unlike ``optax.apply_if_finite``, the decision comes from the local gradients of all
-workers (one scalar ``pmin`` over the axis): after a compressed exchange a NaN on one
-worker may not show in the averaged update at all, yet sit in that worker's residual.
+Unlike ``optax.apply_if_finite``, the decision comes from every worker's local values
+(one scalar ``pmin`` over the axis): after a compressed exchange a NaN on one worker may
+not show in the averaged update at all, yet sit in that worker's residual.
 
-Two modes (docs/design.md, "The non-finite guard"):
+Three modes (docs/design.md, "The non-finite guard"):
 
-* **strict** (default). The decision gates the gradients before the exchange (``-0.0`` on
-  a skipped step, so ``G + R == R`` exactly): every state, residuals included, is
+* **loss** (default). The decision is taken from the *loss*, after the forward pass and
+  before the backward pass: the step function computes ``loss_ok`` (every worker's loss
+  is finite, one scalar ``pmin``), seeds the backward pass with it and passes it as
+  ``tx.update(grads, state, params, loss_ok=loss_ok)``; :func:`value_and_guarded_grad`
+  does both, and :func:`resireduce_jax.parallel.data_parallel_step` uses it for a guarded
+  chain. A step whose loss is non-finite on any worker is skipped as in strict mode
+  (every state bit-identical; ``bad_leaf`` is ``LOSS``). On the other steps a gradient
+  element that is NaN/Inf (an overflow in the backward pass under a finite loss) is
+  replaced by zero locally, so nothing non-finite is ever sent or stored, and the step
+  goes on; such elements are not counted (counting them needs a reduction over every
+  gradient, which is what costs memory; use strict to skip and count them). Because the
+  decision exists before the first gradient does, nothing waits for it: each gradient
+  streams through the exchange and the optimizer as in an unguarded step (measured: at
+  or below the unguarded compiled peak, ``benchmarks/results/guard_cost.md``). Called
+  without ``loss_ok`` (a hand-written step that does not decide from the loss), it
+  decides from the gradients exactly like strict.
+* **strict**. The decision comes from the gradients of every worker and gates them
+  before the exchange (``-0.0`` on a skipped step, so ``G + R == R`` exactly): any
+  NaN/Inf gradient skips the step, and every state, residuals included, is
   bit-identical to a run without that step. Every gradient is alive until the decision
-  at the end of the backward pass; in exchange every update is ordered after it, so the
-  donated step keeps no copy of the weights, which an unguarded step does (XLA cannot
-  order the in-place weight update after the backward pass's reads of the old weights).
-  Measured with the skip-aware optimizers: -1.5 % to +3.8 % of the unguarded peak
-  (``benchmarks/results/guard_cost.md``).
-* **lean** (``strict=False``). Each gradient is sanitized locally, element by element
-  (NaN/Inf -> 0), and streams through the exchange as in an unguarded step; the one late
-  scalar decision only gates what is updated in place anyway: the parameter update
-  (zero), the moments of skip-aware optimizers (kept exactly, see
+  at the end of the backward pass, and every update is ordered after it: from -1.5 % of
+  the unguarded peak where activations dominate to about +20 % where gradients do (a
+  wide MLP).
+* **lean**. Each gradient is sanitized locally, element by element (NaN/Inf -> 0), and
+  streams through the exchange as in an unguarded step; the one late scalar decision
+  (from the gradients, like strict) only gates what is updated in place anyway: the
+  parameter update (zero), the moments of skip-aware optimizers (kept exactly, see
   :func:`register_skip_aware`), counters, compressor state, and the residual stores'
   writes: shared and intra-layer stores keep their residual exactly, a leaf's own
   residual takes back what the exchange took out of it and holds
   ``G~ = sanitize(G) + R``: the step's finite local gradient is deferred to later steps,
-  like anything error feedback has not sent yet, never applied. Measured above strict
-  (+0.1 % vs -0.4 % on the transformer stack with EF, +5.0 % vs +2.8 % on the conv
-  stack): the exchanged means wait for the late decision of the skip-aware optimizers,
-  and XLA:CPU's scheduler starts the first exchanges while forward activations are alive.
+  like anything error feedback has not sent yet, never applied. The exchanged means wait
+  for the late decision of the skip-aware optimizers, so it is not cheaper than strict.
 
 Optimizers whose state is not skip-aware (optax's own) are guarded by a final
 ``where(ok, new, old)`` over their state (``guard_optimizer_state=True``): XLA then keeps
@@ -57,9 +70,21 @@ from resireduce_jax.optimizers import AdamWRState, AdanRState, LionRState, SGDSt
 
 PyTree = Any
 
-__all__ = ["NO_BAD_LEAF", "SkipNonFiniteState", "register_skip_aware", "skip_nonfinite"]
+__all__ = [
+    "LOSS",
+    "MODES",
+    "NO_BAD_LEAF",
+    "SkipNonFiniteState",
+    "loss_decision",
+    "register_skip_aware",
+    "skip_nonfinite",
+    "value_and_guarded_grad",
+]
+
+MODES = ("loss", "strict", "lean")
 
 NO_BAD_LEAF = int(jnp.iinfo(jnp.int32).max)
+LOSS = -1  # bad_leaf of a step skipped for its loss ("loss" mode)
 
 _SKIP_AWARE: set[type] = {ExchangeState, AdamWRState, AdanRState, LionRState, SGDState}
 
@@ -85,7 +110,8 @@ class SkipNonFiniteState(NamedTuple):
       skipped: number of steps skipped so far (int32).
       last_skipped: whether the most recent update was skipped (bool).
       bad_leaf: index (``jax.tree.leaves`` order of the gradients) of the first non-finite
-        leaf on any worker at the most recent skip; ``NO_BAD_LEAF`` if there was none.
+        leaf on any worker at the most recent skip (``"strict"`` and ``"lean"``), ``LOSS``
+        if a non-finite loss decided it (``"loss"``), ``NO_BAD_LEAF`` if there was none.
     """
 
     inner: PyTree
@@ -125,14 +151,64 @@ def _decision_axes(axis_name: str | tuple[str, ...], leaves: list[jax.Array]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def loss_decision(loss: jax.Array, axis_name: str | tuple[str, ...] = "data") -> jax.Array:
+    """Whether every worker's loss is finite: the ``loss_ok`` of the ``"loss"`` mode.
+
+    One scalar ``pmin`` over ``axis_name``, equal on every worker. Call it inside the
+    mapped step, between the forward and the backward pass (see
+    :func:`value_and_guarded_grad`).
+    """
+    check_axis_bound(axis_name)
+    finite = jnp.all(jnp.isfinite(loss)).astype(jnp.int32)
+    return lax.pmin(finite, axis_name) == 1
+
+
+def value_and_guarded_grad(
+    fun: Any, axis_name: str | tuple[str, ...] = "data", *, has_aux: bool = False
+) -> Any:
+    """Like ``jax.value_and_grad``, and also returns ``loss_ok`` for :func:`skip_nonfinite`.
+
+    ``value_and_guarded_grad(f)(params, *args)`` returns ``((loss, aux), grads, loss_ok)``
+    with ``has_aux`` (``(loss, grads, loss_ok)`` without). ``loss_ok`` is
+    :func:`loss_decision` of the loss, taken after the forward pass; the backward pass is
+    seeded with it (``1`` if true, ``0`` otherwise), so it depends on the decision and the
+    decision is made before the first gradient exists. The gradients are exact when
+    ``loss_ok`` is true; otherwise they are meant to be discarded (the guard does). Pass
+    it on: ``tx.update(grads, opt_state, params, loss_ok=loss_ok)``.
+    """
+
+    def wrapped(params, *args):
+        if has_aux:
+            loss, pullback, aux = jax.vjp(lambda p: fun(p, *args), params, has_aux=True)
+        else:
+            loss, pullback = jax.vjp(lambda p: fun(p, *args), params)
+        ok = loss_decision(loss, axis_name)
+        (grads,) = pullback(jnp.where(ok, jnp.ones_like(loss), jnp.zeros_like(loss)))
+        return ((loss, aux) if has_aux else loss), grads, ok
+
+    return wrapped
+
+
+def _is_bad(g: jax.Array) -> jax.Array:
+    return jnp.logical_not(jnp.all(jnp.isfinite(g)))
+
+
+def _first_bad(axes, bad: list[jax.Array]) -> jax.Array:
+    """Index of the first flagged leaf on any worker (``NO_BAD_LEAF`` if none)."""
+    first_bad = jnp.asarray(NO_BAD_LEAF, jnp.int32)
+    for i in reversed(range(len(bad))):
+        first_bad = jnp.where(bad[i], jnp.int32(i), first_bad)
+    return lax.pmin(first_bad, axes)
+
+
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     axis_name: str | tuple[str, ...] = "data",
     *,
-    strict: bool = True,
+    mode: str = "loss",
     guard_optimizer_state: bool = True,
-) -> optax.GradientTransformation:
-    """Wraps ``inner`` so that a step with NaN/Inf gradients on any worker is skipped by all.
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` so that a non-finite step on any worker is skipped by all.
 
     Args:
       inner: the transform to protect, typically the whole chain
@@ -140,18 +216,32 @@ def skip_nonfinite(
       axis_name: the data-parallel axis (or axes) the workers are mapped over. The
         decision also spans every other mapped axis the gradients vary over (the
         ``local`` axis of a hierarchical mesh), so all devices skip together.
-      strict: decide before the exchange, so that a skipped step leaves every state
-        (residuals included) bit-identical; keeps all gradients alive until the decision.
-        ``False``: the lean mode (see the module docstring).
+      mode: ``"loss"`` (default): skip when any worker's loss is non-finite, decided
+        before the backward pass from the ``loss_ok`` extra argument
+        (:func:`value_and_guarded_grad`), and zero (uncounted) the NaN/Inf elements of
+        gradients under a finite loss; nothing waits for the decision. ``"strict"``: skip when any
+        worker's gradient holds a NaN/Inf, decided after the backward pass, every state
+        (residuals included) bit-identical to a run without that step; keeps all
+        gradients alive until the decision. ``"lean"``: the strict decision, with the
+        gradients sanitized and streamed through the exchange (see the module docstring).
+        Without ``loss_ok``, ``"loss"`` decides like ``"strict"``.
       guard_optimizer_state: keep the state of transforms that are not skip-aware
         (optax's optimizers) unchanged on a skipped step too, by a final select that
         costs temporary memory; skip-aware states need no select.
 
     Returns:
-      A transform whose state is a :class:`SkipNonFiniteState`. On a skipped step the
-      updates are zeros, the optimizer state and counters are unchanged bit for bit, and
-      the exchange state is as documented for the mode.
+      A transform whose state is a :class:`SkipNonFiniteState` and whose ``update``
+      takes the optional ``loss_ok`` extra argument. On a skipped step the updates are
+      zeros, the optimizer state and counters are unchanged bit for bit, and the
+      exchange state is as documented for the mode.
+
+    Raises:
+      ValueError: for an unknown ``mode``.
     """
+    if mode not in MODES:
+        raise ValueError(
+            f"skip_nonfinite(mode={mode!r}): choose one of {', '.join(map(repr, MODES))}."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -162,25 +252,33 @@ def skip_nonfinite(
             bad_leaf=jnp.asarray(NO_BAD_LEAF, jnp.int32),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, loss_ok=None, **extra_args):
+        del extra_args  # the guard consumes loss_ok; inner gets skip
         check_axis_bound(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         axes = _decision_axes(axis_name, leaves)
-        bad = [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves]
-        first_bad = jnp.asarray(NO_BAD_LEAF, jnp.int32)
-        for i in reversed(range(len(leaves))):
-            first_bad = jnp.where(bad[i], jnp.int32(i), first_bad)
-        bad_leaf = lax.pmin(first_bad, axes)
-        ok = bad_leaf == NO_BAD_LEAF
-        skip = jnp.logical_not(ok)
-        if strict:  # one decision before anything is sent: G + R == R on a skipped step
-            safe = [jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
+        if mode == "loss" and loss_ok is not None:
+            # Decided before the backward pass: nothing waits for it. No per-leaf flag is
+            # reduced over the workers: XLA:CPU ran such a pmin (it needs every gradient)
+            # before the exchange's own collectives and so held every gradient until the
+            # last one existed (+21 % on the wide MLP of benchmarks/guard_cost.py, also
+            # when it was traced after the exchange or tied to the new state).
+            ok = jnp.asarray(loss_ok, bool)
+            bad_leaf = jnp.where(ok, jnp.int32(NO_BAD_LEAF), jnp.int32(LOSS))
+            safe = [jnp.where(ok & jnp.isfinite(g), g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
         else:
-            # Local and elementwise: each gradient streams into the exchange at once; the
-            # select fuses into the exchange's compensation pass.
-            safe = [jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)) for g in leaves]
-        safe = treedef.unflatten(safe)
-        new_updates, new_inner = inner.update(safe, state.inner, params, skip=skip)
+            bad_leaf = _first_bad(axes, [_is_bad(g) for g in leaves])
+            ok = bad_leaf == NO_BAD_LEAF
+            if mode == "lean":
+                # Local and elementwise: each gradient streams into the exchange at once;
+                # the select fuses into the exchange's compensation pass.
+                safe = [jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)) for g in leaves]
+            else:  # one decision before anything is sent: G + R == R on a skipped step
+                safe = [jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
+        skip = jnp.logical_not(ok)
+        new_updates, new_inner = inner.update(
+            treedef.unflatten(safe), state.inner, params, skip=skip
+        )
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), new_updates)
         if guard_optimizer_state:
             new_inner = _keep_unless(ok, new_inner, state.inner)
@@ -191,4 +289,4 @@ def skip_nonfinite(
             bad_leaf=jnp.where(ok, state.bad_leaf, bad_leaf),
         )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

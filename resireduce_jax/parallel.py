@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resireduce_jax.nonfinite import SkipNonFiniteState
+from resireduce_jax.nonfinite import SkipNonFiniteState, value_and_guarded_grad
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -380,8 +380,8 @@ class DataParallelStep:
 
     def _build(self) -> Callable[..., Any]:
         axis, specs = self.worker_axes, self.state_specs
-        # A guarded chain already orders every update after its decision.
-        order_updates = self.order_weight_update and not _has_guard(specs)
+        guarded = _has_guard(specs)
+        order_updates = self.order_weight_update
 
         def body(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
@@ -406,16 +406,19 @@ class DataParallelStep:
                     new_model_state = None
                 return loss, (new_model_state, aux)
 
-            (loss, (new_model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
-                local_params
-            )
-            updates, opt_state = self.tx.update(grads, opt_state, params)
+            if guarded:
+                # The guard's "loss" mode decides between the forward and the backward
+                # pass (docs/design.md, "The non-finite guard"); other modes ignore it.
+                (loss, (new_model_state, aux)), grads, loss_ok = value_and_guarded_grad(
+                    objective, axis, has_aux=True
+                )(local_params)
+                updates, opt_state = self.tx.update(grads, opt_state, params, loss_ok=loss_ok)
+            else:
+                (loss, (new_model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+                    local_params
+                )
+                updates, opt_state = self.tx.update(grads, opt_state, params)
             _assert_invariant(updates, axis)
-            # Write the new weights only once every update exists (docs/design.md,
-            # "Residuals at the compiled peak"): then every read of the old weights in the
-            # backward pass (dx = dy·Wᵀ) is ordered before the in-place write, and XLA
-            # updates the donated weights in place instead of copying every weight at the
-            # start of the step. The barrier changes no value.
             if order_updates:
                 # Write the new weights only once every update exists (docs/design.md,
                 # "Residuals at the compiled peak"): every read of the old weights in the
@@ -510,15 +513,21 @@ def data_parallel_step(
       with_model_state: the step carries non-trainable model state.
       with_rng: the step takes a PRNG key.
       donate: donate params, optimizer state and model state to the step.
-      order_weight_update: in a step without :func:`~resireduce_jax.skip_nonfinite`,
-        apply the updates to the donated weights only once every update is computed.
+      order_weight_update: apply the updates to the donated weights only once every
+        update is computed.
         Without it XLA cannot order the in-place weight update after the backward pass's
         reads of the old weights (``dx = dy·Wᵀ``) and copies every weight at the start of
         the step; with it the updates are held until the last one is ready. Which costs
         less depends on the model (measured peaks: transformer stack 383.0 -> 375.0 MiB,
         conv stack 61.0 -> 58.1, ResNet-50 width 32 151.1 -> 166.4; docs/design.md,
-        "Residuals at the compiled peak"), so it is off by default. A guarded chain
-        orders every update after its decision and ignores the flag.
+        "Residuals at the compiled peak"), so it is off by default. A chain guarded in
+        :func:`~resireduce_jax.skip_nonfinite`'s strict or lean mode orders every update
+        after its decision anyway.
+
+    With a guarded ``tx`` (a :class:`~resireduce_jax.SkipNonFiniteState` in its state) the
+    step takes its gradients from :func:`~resireduce_jax.nonfinite.value_and_guarded_grad`
+    and passes ``loss_ok`` to ``tx.update``: the guard's default ``"loss"`` mode decides
+    before the backward pass.
 
     Returns:
       A :class:`DataParallelStep`.

@@ -3,8 +3,11 @@ stored, and the state follows each mode's documented semantics."""
 
 from __future__ import annotations
 
+import sys
+
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -82,13 +85,12 @@ def _assert_skipped(state, out_skipped, bad_path="block_1/kernel"):
 
 @pytest.mark.parametrize("exchange", list(EXCHANGES))
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf])
-def test_strict_mode_skips_as_if_the_step_never_happened(exchange, bad_value):
+@pytest.mark.parametrize("mode", ["strict", "loss"])  # "loss" without loss_ok: as strict
+def test_strict_mode_skips_as_if_the_step_never_happened(exchange, bad_value, mode):
     clean = _grads(3)
     with_bad = [clean[0], _poisoned(clean[1], bad_value), clean[2]]
-    out_bad, state_bad = th.run_shard_map(_tx(exchange, strict=True), _params(), with_bad)
-    out_ref, state_ref = th.run_shard_map(
-        _tx(exchange, strict=True), _params(), [clean[0], clean[2]]
-    )
+    out_bad, state_bad = th.run_shard_map(_tx(exchange, mode=mode), _params(), with_bad)
+    out_ref, state_ref = th.run_shard_map(_tx(exchange, mode=mode), _params(), [clean[0], clean[2]])
     _assert_skipped(state_bad, out_bad[1])
     chex.assert_trees_all_equal(out_bad[2], out_ref[1])
     # Residuals, momentum and counters continue bit for bit as if step 1 never happened.
@@ -104,7 +106,7 @@ def test_lean_mode_keeps_moments_and_defers_the_gradient_into_own_residuals(
 ):
     clean = _grads(2)
     poisoned = _poisoned(clean[1], bad_value)
-    tx = _tx(exchange, optimizer, strict=False)
+    tx = _tx(exchange, optimizer, mode="lean")
     _, before = th.run_shard_map(tx, _params(), [clean[0]])
     out, after = th.run_shard_map(tx, _params(), [clean[0], poisoned])
     _assert_skipped(after, out[1])
@@ -133,7 +135,7 @@ def test_lean_mode_keeps_moments_and_defers_the_gradient_into_own_residuals(
 def test_guard_optimizer_state_false_lets_momentum_see_a_zero_gradient():
     clean = _grads(2)
     poisoned = _poisoned(clean[1], np.nan, where=("big", 0, (0, 0)))
-    tx = _tx("ef", "optax-sgd", strict=True, guard_optimizer_state=False)
+    tx = _tx("ef", "optax-sgd", mode="strict", guard_optimizer_state=False)
     _, state_bad = th.run_shard_map(tx, _params(), [clean[0], poisoned])
     _, state_ref = th.run_shard_map(tx, _params(), clean[:1])
     chex.assert_trees_all_equal(state_bad.inner[0], state_ref.inner[0])
@@ -141,13 +143,13 @@ def test_guard_optimizer_state_false_lets_momentum_see_a_zero_gradient():
     np.testing.assert_allclose(momentum, 0.9 * state_ref.inner[1][0].trace["big"]["kernel"])
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_all_finite_steps_are_unchanged_by_the_wrapper(strict):
+@pytest.mark.parametrize("mode", ["loss", "strict", "lean"])
+def test_all_finite_steps_are_unchanged_by_the_wrapper(mode):
     grads = _grads(3)
     plain = optax.chain(EXCHANGES["w+2d"](), optax.sgd(0.1, momentum=0.9))
     out_plain, state_plain = th.run_shard_map(plain, _params(), grads)
     out_guarded, state_guarded = th.run_shard_map(
-        _tx("w+2d", "optax-sgd", strict=strict), _params(), grads
+        _tx("w+2d", "optax-sgd", mode=mode), _params(), grads
     )
     # The exchange is bit-identical. The optimizer's multiply-adds sit in other fusions once
     # the selection is added, and XLA:CPU may contract them differently: 1 ulp at most.
@@ -202,3 +204,114 @@ def test_skip_aware_optimizers_skip_exactly_in_place(name):
             ref_p = optax.apply_updates(ref_p, u)
         _, _, p_all = run(grads)
         chex.assert_trees_all_equal(p_all, ref_p)
+
+
+# ------------------------------------------------- "loss" mode in the data-parallel step
+
+
+def _dp_params():
+    rng = np.random.default_rng(0)
+    return {
+        "hidden": {"kernel": rng.normal(0, 0.2, (32, 64)).astype(np.float32)},
+        "out": {"kernel": rng.normal(0, 0.2, (64, 40)).astype(np.float32)},
+    }
+
+
+@jax.custom_vjp
+def _poison_cotangent(kernel, flag):
+    """Identity; its backward pass writes ``nan`` into element [0, 0] where ``flag > 0``:
+    a non-finite gradient under a finite loss (an overflow in the backward pass)."""
+    return kernel
+
+
+def _poison_fwd(kernel, flag):
+    return kernel, flag
+
+
+def _poison_bwd(flag, g):
+    return g.at[0, 0].set(jnp.where(flag > 0, POISON, g[0, 0])), jnp.zeros_like(flag)
+
+
+_poison_cotangent.defvjp(_poison_fwd, _poison_bwd)
+POISON = np.float32(np.nan)
+
+
+def _dp_loss(params, batch):
+    kernel = _poison_cotangent(params["hidden"]["kernel"], jnp.max(batch["poison"]))
+    h = jnp.tanh(batch["x"] @ kernel)
+    return jnp.mean((h @ params["out"]["kernel"] - batch["y"]) ** 2)
+
+
+def _dp_batch(step, *, nan_loss_on=None, poison_on=None, per_worker=4):
+    rng = np.random.default_rng(100 + step)
+    n = W * per_worker
+    batch = {
+        "x": rng.normal(size=(n, 32)).astype(np.float32),
+        "y": rng.normal(size=(n, 40)).astype(np.float32),
+        "poison": np.zeros(n, np.float32),
+    }
+    if nan_loss_on is not None:
+        batch["x"][nan_loss_on * per_worker] = np.nan
+    if poison_on is not None:
+        batch["poison"][poison_on * per_worker : (poison_on + 1) * per_worker] = 1.0
+    return batch
+
+
+def _dp_tx(guarded: bool):
+    tx = optax.chain(
+        rr.error_feedback(rr.compressors.topk(0.05), min_size=MIN_SIZE),
+        rr.optimizers.sgd(0.1, momentum=0.9),
+    )
+    return rr.skip_nonfinite(tx) if guarded else tx
+
+
+def _run(tx, batches):
+    mesh = rr.parallel.make_mesh(W)
+    step = rr.parallel.data_parallel_step(_dp_loss, tx, mesh)
+    params, opt_state = step.init(_dp_params())
+    snapshots = []
+    for batch in batches:
+        params, opt_state, _ = step(params, opt_state, rr.parallel.shard_batch(batch, mesh))
+        snapshots.append(jax.device_get((params, opt_state)))
+    return snapshots
+
+
+def test_loss_mode_skips_a_step_whose_loss_is_nonfinite_on_one_worker():
+    """Decided before the backward pass; the skipped step leaves every state bit-identical
+    and the run continues as if it never happened."""
+    bad = _dp_batch(1, nan_loss_on=3)
+    snapshots = _run(_dp_tx(True), [_dp_batch(0), bad, _dp_batch(2)])
+    reference = _run(_dp_tx(True), [_dp_batch(0), _dp_batch(2)])
+    (params_0, state_0), (params_1, state_1) = snapshots[0], snapshots[1]
+    chex.assert_trees_all_equal(params_1, params_0)
+    chex.assert_trees_all_equal(state_1.inner, state_0.inner)
+    np.testing.assert_array_equal(state_1.skipped, 1)
+    assert bool(state_1.last_skipped)
+    np.testing.assert_array_equal(state_1.bad_leaf, rr.nonfinite.LOSS)
+    chex.assert_trees_all_equal(snapshots[2][0], reference[1][0])
+    chex.assert_trees_all_equal(snapshots[2][1].inner, reference[1][1].inner)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_loss_mode_zeroes_nonfinite_gradient_elements_under_a_finite_loss(poison, monkeypatch):
+    """The step goes on with the element zeroed on the worker where it was non-finite: the
+    same run as an unguarded one whose backward pass wrote a zero there (to 1 ulp: XLA:CPU
+    may contract the optimizer's multiply-adds differently in the two programs), and
+    nothing non-finite is stored."""
+    batches = [_dp_batch(0), _dp_batch(1, poison_on=5), _dp_batch(2)]
+    monkeypatch.setattr(sys.modules[__name__], "POISON", np.float32(poison))
+    guarded = _run(_dp_tx(True), batches)
+    monkeypatch.setattr(sys.modules[__name__], "POISON", np.float32(0.0))
+    zeroed = _run(_dp_tx(False), batches)
+    for (params, state), (params_ref, state_ref) in zip(guarded, zeroed, strict=True):
+        chex.assert_trees_all_close(params, params_ref, rtol=1e-6, atol=1e-7)
+        chex.assert_trees_all_close(state.inner, state_ref, rtol=1e-6, atol=1e-7)
+        for leaf in jax.tree.leaves((params, state)):
+            if np.issubdtype(np.asarray(leaf).dtype, np.floating):
+                assert np.isfinite(leaf).all()
+    np.testing.assert_array_equal(guarded[-1][1].skipped, 0)
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'loss', 'strict', 'lean'"):
+        rr.skip_nonfinite(optax.sgd(0.1), mode="fast")

@@ -9,7 +9,7 @@ For every tree and transform, on 4 workers:
 * the state keeps its structure, shapes and dtypes from step to step;
 * error feedback conserves the gradient exactly: ``D(P) + R_new == G + R_old``;
 * a lossless compressor gives the exact mean and keeps zero residuals;
-* a NaN/Inf anywhere (``skip_nonfinite(strict=True)``) skips the step as if it never
+* a NaN/Inf anywhere (``skip_nonfinite(mode="strict")``) skips the step as if it never
   happened;
 * integer, boolean and complex leaves are rejected with a ValueError naming the leaf.
 
@@ -339,7 +339,7 @@ def test_skip_nonfinite_skips_the_step_as_if_it_never_happened(specs, name, bad,
     g1 = jax.tree.unflatten(jax.tree.structure(g1), poisoned)
 
     chain = optax.chain(TRANSFORMS[name](), optax.sgd(0.1, momentum=0.9))
-    tx = rr.skip_nonfinite(chain, strict=True)
+    tx = rr.skip_nonfinite(chain, mode="strict")
     compiled = Compiled(tx, params)
     out_bad, states_bad = compiled.run([g0, g1, g2])
     out_ref, states_ref = compiled.run([g0, g2])

@@ -399,9 +399,12 @@ def evaluate(run: Run, eval_fn, params, model_state) -> dict[str, float]:
     return tasks.Task.summarize(run.task.kind, totals)
 
 
-def _bad_leaf_path(params, index: int) -> str:
+def _nonfinite_cause(params, index: int) -> str:
+    """What ``SkipNonFiniteState.bad_leaf`` names: a leaf's gradient, or the loss."""
+    if index == rr.nonfinite.LOSS:
+        return "the loss"
     paths = rr.tree_paths.leaf_paths(params)
-    return paths[index] if 0 <= index < len(paths) else f"leaf #{index}"
+    return f"the gradient of '{paths[index]}'" if 0 <= index < len(paths) else f"leaf #{index}"
 
 
 def params_digest(params) -> str:
@@ -509,10 +512,10 @@ def train_and_evaluate(
             if raise_on_nonfinite and bool(jax.device_get(opt_state.last_skipped)):
                 bad = int(jax.device_get(opt_state.bad_leaf))
                 raise NonFiniteGradients(
-                    f"Non-finite gradient at step {step - 1} in leaf "
-                    f"'{_bad_leaf_path(params, bad)}' (on at least one worker); the step was "
-                    "not applied. Lower the learning rate, check the data, or set "
-                    "--config.compression.nonfinite=skip to skip such steps."
+                    f"Non-finite value at step {step - 1} in {_nonfinite_cause(params, bad)} "
+                    "(on at least one worker); the step was not applied. Lower the learning "
+                    "rate, check the data, or set --config.compression.nonfinite=skip to skip "
+                    "such steps."
                 )
             if step % config.log_every == 0 or step == run.total_steps:
                 last_train = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
@@ -520,11 +523,10 @@ def train_and_evaluate(
                 if skipped > skipped_seen and is_main:
                     bad = int(jax.device_get(opt_state.bad_leaf))
                     log.warning(
-                        "%d step(s) skipped for non-finite gradients up to step %d (last in "
-                        "leaf '%s').",
+                        "%d step(s) skipped for non-finite values up to step %d (the last in %s).",
                         skipped - skipped_seen,
                         step,
-                        _bad_leaf_path(params, bad),
+                        _nonfinite_cause(params, bad),
                     )
                 skipped_seen = skipped
                 writer.write(step, "train", {**last_train, "skipped_steps": skipped})
