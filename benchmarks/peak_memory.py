@@ -253,7 +253,7 @@ def live_at_peak(dump_dir: str) -> dict[str, Any]:
     }
 
 
-def _explain_in_subprocess(model: str, variant: str, guard: bool, dump_root: str) -> dict:
+def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_root: str) -> dict:
     """XLA dump flags are fixed at start-up: compile one step in a child process."""
     import subprocess
 
@@ -262,20 +262,25 @@ def _explain_in_subprocess(model: str, variant: str, guard: bool, dump_root: str
     flags = f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*jit_body.*"
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + flags}
     cmd = [sys.executable, __file__, "--models", model, "--_one", variant]
-    subprocess.run([*cmd, "--_guard", str(int(guard))], check=True, env=env, cwd=ROOT)
+    flag = guard if isinstance(guard, str) else str(int(guard))
+    subprocess.run([*cmd, "--_guard", flag], check=True, env=env, cwd=ROOT)
     return live_at_peak(dump_dir)
 
 
 # ------------------------------------------------------------------ the comparison
 
 
-def _compile(case: Case, variant: str, guard: bool):
+def _compile(case: Case, variant: str, guard: bool | str):
+    """``guard``: ``False``, ``True`` (the config's guard mode) or a guard mode name."""
     from train import compiled_step
 
+    config = case.load()
+    if isinstance(guard, str):
+        config.compression.guard_mode = guard
     return compiled_step.compile_step(
-        case.load(),
+        config,
         variant=variant,
-        guard=guard,
+        guard=bool(guard),
         batch_per_worker=case.batch_per_worker,
         seq_len=case.seq_len,
         num_workers=NUM_WORKERS,
@@ -283,7 +288,7 @@ def _compile(case: Case, variant: str, guard: bool):
 
 
 def measure(
-    name: str, case: Case, guard: bool, variants: tuple[str, ...] | None = None
+    name: str, case: Case, guard: bool | str, variants: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
     """Compiles EF and each of ``variants`` (default: the config's) and compares them.
 
@@ -404,7 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="against EF")
-    parser.add_argument("--guard", choices=("both", "plain", "guard"), default="both")
+    parser.add_argument(
+        "--guard",
+        choices=("both", "plain", "guard", "strict", "all"),
+        default="both",
+        help="both: none and the default guard; strict: the strict guard; all: the three",
+    )
     parser.add_argument("--out", default=None, help="directory for peak_memory.{json,md}")
     parser.add_argument(
         "--explain", metavar="DIR", help="dump the steps and show what is alive at the peak"
@@ -417,10 +427,17 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure_cpu(NUM_WORKERS)
     if args._one:  # child process of --explain: compile one step with dump flags
-        _compile(CASES[args.models[0]], args._one, bool(int(args._guard)))
+        guard = {"0": False, "1": True}.get(args._guard, args._guard)
+        _compile(CASES[args.models[0]], args._one, guard)
         return
 
-    guards = {"both": (False, True), "plain": (False,), "guard": (True,)}[args.guard]
+    guards = {
+        "both": (False, True),
+        "plain": (False,),
+        "guard": (True,),
+        "strict": ("strict",),
+        "all": (False, True, "strict"),
+    }[args.guard]
     results = []
     for name in args.models:
         for guard in guards:

@@ -57,6 +57,7 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
         (lambda c: c.compression.__setitem__("compressor", "zip"), "compressor='zip'"),
         (lambda c: c.schedule.__setitem__("name", "linear"), "schedule.name='linear'"),
         (lambda c: c.compression.__setitem__("nonfinite", "ignore"), "nonfinite='ignore'"),
+        (lambda c: c.compression.__setitem__("guard_mode", "late"), "guard_mode='late'.*'strict'"),
         (lambda c: c.compression.__setitem__("density", 0.0), "density must be in"),
         (
             lambda c: c.compression.__setitem__("typo_key", 1),
@@ -239,6 +240,19 @@ def test_nonfinite_raise_names_step_and_cause(tmp_path):
     """The default guard decides from the loss (the exploding weights make it inf)."""
     config = small_digits(**{"compression.nonfinite": "raise", "optimizer.learning_rate": 1e30})
     with pytest.raises(train.NonFiniteGradients, match=r"step \d+ in the loss \(on at least"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_strict_guard_mode_names_the_gradient(tmp_path):
+    """compression.guard_mode='strict' decides from the gradients, and says which one."""
+    config = small_digits(
+        **{
+            "compression.nonfinite": "raise",
+            "compression.guard_mode": "strict",
+            "optimizer.learning_rate": 1e30,
+        }
+    )
+    with pytest.raises(train.NonFiniteGradients, match=r"in the gradient of '[\w/]+'"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
 
 

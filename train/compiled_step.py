@@ -116,7 +116,9 @@ def build_train_tx(
     tx = factory.build_tx(
         config, steps_per_epoch, total_steps, local_axis=factory.local_axis(config)
     )
-    return rr.skip_nonfinite(tx, worker_axes(config)) if guard else tx
+    if not guard:
+        return tx
+    return rr.skip_nonfinite(tx, worker_axes(config), mode=config.compression.guard_mode)
 
 
 def state_bytes(params, tx: optax.GradientTransformation, mesh) -> rr.memory.ModelStateBytes:

@@ -98,6 +98,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.norm_source = "residual"
     c.compression.phi = 0.5
     c.compression.nonfinite = "skip"  # "skip" or "raise"
+    # How skip_nonfinite decides (docs/design.md, "The non-finite guard"): "loss" (before
+    # the backward pass; costs no memory), "strict" (any non-finite gradient, after it;
+    # holds every gradient until then) or "lean".
+    c.compression.guard_mode = "loss"
 
     c.remat = ml_collections.ConfigDict()
     # Rotor activation checkpointing for ResNet / GPT-2 / ViT models (train/remat_model.py):
@@ -234,6 +238,10 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _check(
         comp.nonfinite in ("skip", "raise"),
         f"compression.nonfinite={comp.nonfinite!r}; choose 'skip' or 'raise'.",
+    )
+    _check(
+        comp.guard_mode in ("loss", "strict", "lean"),
+        f"compression.guard_mode={comp.guard_mode!r}; choose 'loss', 'strict' or 'lean'.",
     )
     _check(
         c.on_worker_change in ("error", "average"),
