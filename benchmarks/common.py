@@ -71,7 +71,7 @@ def environment(**extra: Any) -> dict[str, Any]:
 def guard_name(guard: bool | str) -> str:
     """``False``: no guard; ``True``: the program's default guard; a mode name: that mode."""
     if isinstance(guard, str):
-        return f"skip_nonfinite {guard}"
+        return f"skip_nonfinite_{guard}"
     return "skip_nonfinite" if guard else "none"
 
 
