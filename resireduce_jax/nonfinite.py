@@ -25,15 +25,16 @@ Three modes (docs/design.md, "The non-finite guard"):
   goes on; such elements are not counted (counting them needs a reduction over every
   gradient, which is what costs memory; use strict to skip and count them). Because the
   decision exists before the first gradient does, nothing waits for it: each gradient
-  streams through the exchange and the optimizer as in an unguarded step (measured: at
-  or below the unguarded compiled peak, ``benchmarks/results/guard_cost.md``). Called
+  streams through the exchange and the optimizer as in an unguarded step (measured with
+  the skip-aware ``sgd``, ``adamw_r``, ``lion_r``: at or below the unguarded compiled
+  peak; ``adan_r`` up to +16 %: ``benchmarks/results/guard_cost.md``). Called
   without ``loss_ok`` (a hand-written step that does not decide from the loss), it
   decides from the gradients exactly like strict.
 * **strict**. The decision comes from the gradients of every worker and gates them
   before the exchange (``-0.0`` on a skipped step, so ``G + R == R`` exactly): any
   NaN/Inf gradient skips the step, and every state, residuals included, is
   bit-identical to a run without that step. Every gradient is alive until the decision
-  at the end of the backward pass, and every update is ordered after it: from -1.5 % of
+  at the end of the backward pass, and every update is ordered after it: from -3.9 % of
   the unguarded peak where activations dominate to about +20 % where gradients do (a
   wide MLP).
 * **lean**. Each gradient is sanitized locally, element by element (NaN/Inf -> 0), and
