@@ -254,7 +254,6 @@ def skip_nonfinite(
         )
 
     def update_fn(updates, state, params=None, *, loss_ok=None, **extra_args):
-        del extra_args  # the guard consumes loss_ok; inner gets skip
         check_axis_bound(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         axes = _decision_axes(axis_name, leaves)
@@ -277,8 +276,10 @@ def skip_nonfinite(
             else:  # one decision before anything is sent: G + R == R on a skipped step
                 safe = [jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
         skip = jnp.logical_not(ok)
+        # The guard consumes loss_ok and gives the inner chain skip; other extra arguments
+        # pass through.
         new_updates, new_inner = inner.update(
-            treedef.unflatten(safe), state.inner, params, skip=skip
+            treedef.unflatten(safe), state.inner, params, skip=skip, **extra_args
         )
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros((), u.dtype)), new_updates)
         if guard_optimizer_state:

@@ -315,3 +315,18 @@ def test_loss_mode_zeroes_nonfinite_gradient_elements_under_a_finite_loss(poison
 def test_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="'loss', 'strict', 'lean'"):
         rr.skip_nonfinite(optax.sgd(0.1), mode="fast")
+
+
+def test_extra_arguments_other_than_loss_ok_reach_the_inner_chain():
+    def update(updates, state, params=None, *, scale, **extra_args):
+        return jax.tree.map(lambda u: u * scale, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    tx = rr.skip_nonfinite(inner, "data")
+    grads = {"w": jnp.arange(6.0).reshape(2, 3)}  # 2 workers under vmap
+
+    def step(g):
+        return tx.update(g, tx.init(g), loss_ok=jnp.asarray(True), scale=3.0)[0]
+
+    out = jax.vmap(step, axis_name="data")(grads)
+    np.testing.assert_array_equal(out["w"], 3.0 * np.arange(6.0).reshape(2, 3))
