@@ -46,7 +46,8 @@ Three modes (docs/design.md, "The non-finite guard"):
   residual takes back what the exchange took out of it and holds
   ``G~ = sanitize(G) + R``: the step's finite local gradient is deferred to later steps,
   like anything error feedback has not sent yet, never applied. The exchanged means wait
-  for the late decision of the skip-aware optimizers, so it is not cheaper than strict.
+  for the late decision of the skip-aware optimizers, so it is dearer than strict on
+  most measured models.
 
 Optimizers whose state is not skip-aware (optax's own) are guarded by a final
 ``where(ok, new, old)`` over their state (``guard_optimizer_state=True``): XLA then keeps
