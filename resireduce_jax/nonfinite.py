@@ -1,4 +1,4 @@
-"""Skipping non-finite steps on every worker at once, at no memory cost.
+"""Skipping non-finite steps on every worker at once, without holding gradients for it.
 
 Error feedback has a long memory: a NaN or Inf that reaches a residual is sent again and
 again and poisons every later step. :func:`skip_nonfinite` wraps the whole optax chain

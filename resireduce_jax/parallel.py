@@ -381,7 +381,6 @@ class DataParallelStep:
     def _build(self) -> Callable[..., Any]:
         axis, specs = self.worker_axes, self.state_specs
         guarded = _has_guard(specs)
-        order_updates = self.order_weight_update
 
         def body(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
@@ -419,7 +418,7 @@ class DataParallelStep:
                 )
                 updates, opt_state = self.tx.update(grads, opt_state, params)
             _assert_invariant(updates, axis)
-            if order_updates:
+            if self.order_weight_update:
                 # Write the new weights only once every update exists (docs/design.md,
                 # "Residuals at the compiled peak"): every read of the old weights in the
                 # backward pass (dx = dy·Wᵀ) is then ordered before the in-place write, and

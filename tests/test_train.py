@@ -243,6 +243,10 @@ def test_nonfinite_raise_names_step_and_cause(tmp_path):
         train.train_and_evaluate(config, str(tmp_path / "run"))
 
 
+def test_config_guard_modes_are_the_library_modes():
+    assert config_schema.GUARD_MODES == rr.nonfinite.MODES
+
+
 def test_strict_guard_mode_names_the_gradient(tmp_path):
     """compression.guard_mode='strict' decides from the gradients, and says which one."""
     config = small_digits(

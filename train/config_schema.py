@@ -17,6 +17,7 @@ import ml_collections
 from ml_collections import config_dict
 
 __all__ = [
+    "GUARD_MODES",
     "VARIANTS",
     "ConfigError",
     "base_config",
@@ -38,6 +39,11 @@ class ConfigError(ValueError):
     ``python -m train`` prints it as ``error: <message>`` and exits with status 2, without
     a traceback.
     """
+
+
+# resireduce_jax.nonfinite.MODES, spelled out so that config files load without jax
+# (tests/test_train.py checks that the two agree).
+GUARD_MODES = ("loss", "strict", "lean")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -99,8 +105,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.phi = 0.5
     c.compression.nonfinite = "skip"  # "skip" or "raise"
     # How skip_nonfinite decides (docs/design.md, "The non-finite guard"): "loss" (before
-    # the backward pass; costs no memory), "strict" (any non-finite gradient, after it;
-    # holds every gradient until then) or "lean".
+    # the backward pass, so no gradient waits), "strict" (any non-finite gradient, after
+    # it; holds every gradient until then) or "lean". One of GUARD_MODES.
     c.compression.guard_mode = "loss"
 
     c.remat = ml_collections.ConfigDict()
@@ -240,8 +246,9 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"compression.nonfinite={comp.nonfinite!r}; choose 'skip' or 'raise'.",
     )
     _check(
-        comp.guard_mode in ("loss", "strict", "lean"),
-        f"compression.guard_mode={comp.guard_mode!r}; choose 'loss', 'strict' or 'lean'.",
+        comp.guard_mode in GUARD_MODES,
+        f"compression.guard_mode={comp.guard_mode!r}; choose one of "
+        f"{', '.join(map(repr, GUARD_MODES))}.",
     )
     _check(
         c.on_worker_change in ("error", "average"),
