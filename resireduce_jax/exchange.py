@@ -380,16 +380,18 @@ class _Exchange:
 
     @staticmethod
     def _update_shared(store, stored, leaves, send):
-        """One step of a shared group (§4.2): members in order, running weighted sum.
+        """One step of a shared group (§4.2): members one by one, running weighted sum.
 
-        Member ``i+1`` starts after member ``i`` was added to the sum, so one running sum
-        and one member's transient residual are alive at a time. Groups are not ordered
-        among themselves: the backward pass produces gradients from the last layer to the
-        first, and a chain of groups in parameter order would hold every gradient until
-        the first layer's (measured: +10 MiB on ResNet-50 width 32).
+        Each member starts after the previous one was added to the sum, so one running
+        sum and one member's transient residual are alive at a time. The members go from
+        the last layer to the first, the order in which the backward pass produces their
+        gradients: in layer order, the chain would hold the later layers' gradients until
+        the group's first layer had its own (measured at the compiled peak of ResNet-50
+        width 32, w against EF: drop/saving -0.27 in layer order). Groups are not ordered
+        among themselves, for the same reason.
         """
         acc = None
-        for i in store.group.members:
+        for i in reversed(store.group.members):
             g = leaves[i]
             if acc is not None:
                 g, acc = ordered(g, acc)
