@@ -143,14 +143,15 @@ def compile_peak(
     guard: str,
     *,
     keep_hlo: bool = False,
-    order_weight_update: bool = False,
+    weight_update_order: str | None = None,
     **sizes: Any,
 ) -> dict[str, Any]:
     """Compiles one case (``sizes`` override the model's defaults); its per-worker peak.
 
-    ``guard``: ``"none"``, ``"ordered"`` (no guard, ``order_weight_update=True``), ``"strict"``
-    or ``"lean"``. ``keep_hlo``: also return the optimized HLO text under ``"hlo"``.
-    ``order_weight_update``: passed to ``rr.parallel.data_parallel_step``.
+    ``guard``: ``"none"``, ``"ordered"`` (no guard, ``weight_update_order="all_gradients"``),
+    or a ``skip_nonfinite`` mode. ``keep_hlo``: also return the optimized HLO text under
+    ``"hlo"``. ``weight_update_order``: passed to ``rr.parallel.data_parallel_step``
+    (default: the step's own, or ``"all_gradients"`` for ``"ordered"``).
     """
     import jax
     import optax
@@ -171,8 +172,9 @@ def compile_peak(
     if guard in rr.nonfinite.MODES:
         tx = rr.skip_nonfinite(tx, mode=guard)
     mesh = rr.parallel.make_mesh(8)
-    ordered = order_weight_update or guard == "ordered"
-    step = rr.parallel.data_parallel_step(loss, tx, mesh, order_weight_update=ordered)
+    if weight_update_order is None:
+        weight_update_order = "all_gradients" if guard == "ordered" else "last_read"
+    step = rr.parallel.data_parallel_step(loss, tx, mesh, weight_update_order=weight_update_order)
     step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
     sharded = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params

@@ -9,6 +9,12 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
 
     python benchmarks/step_time.py                     # three models, about 10 min on 2 cores
     python benchmarks/step_time.py --models resnet50 --repeats 5
+    python benchmarks/step_time.py --weight-update-order   # the config's variant, the step's
+                                                           # default order vs "unordered"
+
+``--weight-update-order`` writes ``step_time_order.{json,md}`` instead: the config's variant
+with ``data_parallel_step``'s default ``weight_update_order="last_read"`` (each weight
+updated in place after its last read) against ``"unordered"`` (XLA copies the weights).
 """
 
 from __future__ import annotations
@@ -64,9 +70,17 @@ class Runner:
     """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps.
 
     ``config``: the case's config with other settings (default ``case.load()``).
+    ``weight_update_order``: passed to the step (``data_parallel_step``).
     """
 
-    def __init__(self, case: Case, variant: str, guard: bool, config=None):
+    def __init__(
+        self,
+        case: Case,
+        variant: str,
+        guard: bool,
+        config=None,
+        weight_update_order: str = "last_read",
+    ):
         import jax
 
         import resireduce_jax as rr
@@ -77,7 +91,7 @@ class Runner:
         model_config = task.model_config
         mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
-        self.step = compiled_step.build_step(task, tx, mesh)
+        self.step = compiled_step.build_step(task, tx, mesh, weight_update_order)
         batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
         per_worker = {k: v[: case.batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
@@ -105,57 +119,92 @@ class Runner:
         return elapsed / steps
 
 
-def measure(name: str, case: Case, *, guard: bool, repeats: int, steps: int) -> dict[str, Any]:
-    variants = ("ef", case.load().compression.variant)
+def measure(
+    name: str,
+    case: Case,
+    *,
+    guard: bool,
+    repeats: int,
+    steps: int,
+    orders: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """EF against the config's variant, or with ``orders=(a, b)`` the config's variant under
+    weight-update order ``a`` (reported as "ef" / baseline) against ``b``."""
+    variant = case.load().compression.variant
+    if orders is None:
+        runs = {"ef": ("ef", "last_read"), variant: (variant, "last_read")}
+    else:
+        runs = {orders[0]: (variant, orders[0]), orders[1]: (variant, orders[1])}
+    labels = tuple(runs)
     start = time.perf_counter()
-    runners = {v: Runner(case, v, guard) for v in variants}
+    runners = {
+        label: Runner(case, v, guard, weight_update_order=order)
+        for label, (v, order) in runs.items()
+    }
     for runner in runners.values():  # compile, then warm up
         runner.run(1)
         runner.run(steps)
     setup = time.perf_counter() - start
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times: dict[str, list[float]] = {label: [] for label in labels}
     for rep in range(repeats):
-        order = variants if rep % 2 == 0 else variants[::-1]  # ABBA
-        for v in order:
-            times[v].append(runners[v].run(steps))
-    ef, reduced = times[variants[0]], times[variants[1]]
-    ratios = sorted(r / e for r, e in zip(reduced, ef, strict=True))
+        for label in labels if rep % 2 == 0 else labels[::-1]:  # ABBA
+            times[label].append(runners[label].run(steps))
+    base, other = times[labels[0]], times[labels[1]]
+    ratios = sorted(r / e for r, e in zip(other, base, strict=True))
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {
         "model": name,
         "description": case.description,
-        "variant": variants[1],
+        "variant": variant,
+        "orders": list(orders) if orders else None,
         "guard": guard,
         "repeats": repeats,
         "steps_per_repeat": steps,
         "seconds_per_step": times,
-        "median_ef": statistics.median(ef),
-        "median_reduced": statistics.median(reduced),
-        "ratio_of_medians": statistics.median(reduced) / statistics.median(ef),
+        "median_ef": statistics.median(base),
+        "median_reduced": statistics.median(other),
+        "ratio_of_medians": statistics.median(other) / statistics.median(base),
         "ratio_quartiles": [q[0], q[2]],
-        "final_loss": {v: r.loss for v, r in runners.items()},
+        "final_loss": {label: r.loss for label, r in runners.items()},
         "setup_seconds": setup,
     }
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "# Step time: ResiReduce w+2d vs plain EF (same process, interleaved)",
-        "",
-        "8 simulated CPU workers on one machine (they share its cores: this measures "
-        "computation, not communication). Medians over the repetitions; the ratio's "
-        "quartiles are over per-repetition ratios. Goal: ratio <= 1.05 (the paper: "
-        "<= 1.02 on GPUs).",
-        "",
-        "<!-- prose: about -->",
-        "",
-        "| model | guard | EF s/step | w+2d s/step | ratio | ratio IQR | repeats x steps |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+def markdown(results: list[dict[str, Any]], orders: bool = False) -> str:
+    """The table: EF against the variant, or (``orders``) the two weight-update orders."""
+    if orders:
+        lines = [
+            "# Step time: the weight-update order (same process, interleaved)",
+            "",
+            "The config's variant with the step's default "
+            '``weight_update_order="last_read"`` (each weight updated in place once the '
+            'backward pass has read it) against ``"unordered"`` (XLA copies each weight '
+            "instead). 8 simulated CPU workers sharing the machine's cores. Medians over the "
+            "repetitions; the ratio's quartiles are over per-repetition ratios.",
+            "",
+            "| model | variant | guard | unordered s/step | last_read s/step | ratio "
+            "| ratio IQR | repeats x steps |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+    else:
+        lines = [
+            "# Step time: ResiReduce w+2d vs plain EF (same process, interleaved)",
+            "",
+            "8 simulated CPU workers on one machine (they share its cores: this measures "
+            "computation, not communication). Medians over the repetitions; the ratio's "
+            "quartiles are over per-repetition ratios. Goal: ratio <= 1.05 (the paper: "
+            "<= 1.02 on GPUs).",
+            "",
+            "<!-- prose: about -->",
+            "",
+            "| model | guard | EF s/step | w+2d s/step | ratio | ratio IQR | repeats x steps |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
     for r in results:
         lo, hi = r["ratio_quartiles"]
+        variant = f" {r['variant']} |" if orders else ""
         lines.append(
-            f"| {r['model']} | {guard_name(r['guard'])} "
+            f"| {r['model']} |{variant} {guard_name(r['guard'])} "
             f"| {r['median_ef']:.3f} | {r['median_reduced']:.3f} | {r['ratio_of_medians']:.3f} "
             f"| {lo:.3f}–{hi:.3f} | {r['repeats']} x {r['steps_per_repeat']} |"
         )
@@ -170,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     parser.add_argument("--no-guard", action="store_true", help="leave out skip_nonfinite")
+    parser.add_argument(
+        "--weight-update-order",
+        action="store_true",
+        help='time the default weight-update order against "unordered" instead',
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
 
@@ -177,19 +231,29 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure_cpu(NUM_WORKERS)
 
+    orders = ("unordered", "last_read") if args.weight_update_order else None
     results = []
     for name in args.models:
         r = measure(
-            name, CASES[name], guard=not args.no_guard, repeats=args.repeats, steps=args.steps
+            name,
+            CASES[name],
+            guard=not args.no_guard,
+            repeats=args.repeats,
+            steps=args.steps,
+            orders=orders,
         )
         results.append(r)
+        first, second = orders or ("EF", r["variant"])
         print(
-            f"{name:10s} EF {r['median_ef']:.3f} s  {r['variant']} {r['median_reduced']:.3f} s  "
+            f"{name:10s} {first} {r['median_ef']:.3f} s  {second} {r['median_reduced']:.3f} s  "
             f"ratio {r['ratio_of_medians']:.3f}",
             flush=True,
         )
     payload = environment(num_workers=NUM_WORKERS, results=results)
-    write_results("step_time", payload, markdown(results), args.out)
+    if orders:
+        write_results("step_time_order", payload, markdown(results, orders=True), args.out)
+    else:
+        write_results("step_time", payload, markdown(results), args.out)
 
 
 if __name__ == "__main__":

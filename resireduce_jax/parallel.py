@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from resireduce_jax import read_order
 from resireduce_jax.nonfinite import SkipNonFiniteState, value_and_guarded_grad
 
 PyTree = Any
@@ -43,6 +44,7 @@ AxisName = str | tuple[str, ...]
 
 __all__ = [
     "LOCAL_AXIS",
+    "WEIGHT_UPDATE_ORDERS",
     "DataParallelStep",
     "abstract_state",
     "data_parallel_step",
@@ -57,6 +59,9 @@ __all__ = [
 
 LOCAL_AXIS = "local"
 """Name of the mesh axis over one node's devices (:func:`make_mesh` with ``local_devices``)."""
+
+WEIGHT_UPDATE_ORDERS = ("last_read", "all_gradients", "unordered")
+"""Values of :func:`data_parallel_step`'s ``weight_update_order``."""
 
 
 def make_mesh(
@@ -342,7 +347,7 @@ class DataParallelStep:
     with_model_state: bool = False
     with_rng: bool = False
     donate: bool = True
-    order_weight_update: bool = False
+    weight_update_order: str = "last_read"
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
@@ -408,22 +413,28 @@ class DataParallelStep:
             if guarded:
                 # The guard's "loss" mode decides between the forward and the backward
                 # pass (docs/design.md, "The non-finite guard"); other modes ignore it.
-                (loss, (new_model_state, aux)), grads, loss_ok = value_and_guarded_grad(
-                    objective, axis, has_aux=True
-                )(local_params)
+                grad_fn = value_and_guarded_grad(objective, axis, has_aux=True)
+            else:
+                grad_fn = jax.value_and_grad(objective, has_aux=True)
+            if self.weight_update_order == "last_read":
+                out, partners = read_order.call_with_read_partners(
+                    grad_fn, local_params, lambda out: out[1]
+                )
+            else:
+                out, partners = grad_fn(local_params), None
+            if guarded:
+                (loss, (new_model_state, aux)), grads, loss_ok = out
                 updates, opt_state = self.tx.update(grads, opt_state, params, loss_ok=loss_ok)
             else:
-                (loss, (new_model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
-                    local_params
-                )
+                (loss, (new_model_state, aux)), grads = out
                 updates, opt_state = self.tx.update(grads, opt_state, params)
             _assert_invariant(updates, axis)
-            if self.order_weight_update:
-                # Write the new weights only once every update exists (docs/design.md,
-                # "Residuals at the compiled peak"): every read of the old weights in the
-                # backward pass (dx = dy·Wᵀ) is then ordered before the in-place write, and
-                # XLA updates the donated weights in place instead of copying each weight
-                # at the start of the step. Changes no value.
+            # Write each new weight in place only once the backward pass has read the old
+            # one (docs/design.md, "Residuals at the compiled peak"). The barriers are
+            # identities.
+            if partners is not None:
+                params, updates = read_order.after_reads(params, updates, partners)
+            elif self.weight_update_order == "all_gradients":
                 params, updates = lax.optimization_barrier((params, updates))
             params = optax.apply_updates(params, updates)
             metrics = _pmean_floats({"loss": loss, **aux}, axis)
@@ -485,7 +496,7 @@ def data_parallel_step(
     with_model_state: bool = False,
     with_rng: bool = False,
     donate: bool = True,
-    order_weight_update: bool = False,
+    weight_update_order: str = "last_read",
 ) -> DataParallelStep:
     """Builds the jitted, donated data-parallel train step over ``mesh``.
 
@@ -512,14 +523,16 @@ def data_parallel_step(
       with_model_state: the step carries non-trainable model state.
       with_rng: the step takes a PRNG key.
       donate: donate params, optimizer state and model state to the step.
-      order_weight_update: apply the updates to the donated weights only once every
-        update is computed.
-        Without it XLA cannot order the in-place weight update after the backward pass's
-        reads of the old weights (``dx = dy·Wᵀ``) and copies every weight at the start of
-        the step; with it the updates are held until the last one is ready. Which costs
-        less depends on the model (measured peaks: transformer stack 383.0 -> 375.0 MiB,
-        conv stack 61.0 -> 58.1, ResNet-50 width 32 151.1 -> 166.4; docs/design.md,
-        "Residuals at the compiled peak"), so it is off by default. A chain guarded in
+      weight_update_order: what orders the in-place write of each new weight after
+        the reads of the old one (the forward pass, and ``dx = dy·Wᵀ`` in the backward
+        pass); where XLA cannot prove that order from data dependencies it copies the
+        weight. ``"last_read"`` (default): each weight waits for the update of the
+        earliest gradient that depends on all its reads, found by a dataflow pass over
+        the traced gradient computation (:mod:`resireduce_jax.read_order`); nothing is
+        copied and gradients still stream. ``"all_gradients"``: every weight waits for
+        every update, which holds every gradient alive until the last one exists.
+        ``"unordered"``: no ordering; XLA copies the weights it cannot prove. Measured
+        peaks: ``benchmarks/results/guard_cost.md``. A chain guarded in
         :func:`~resireduce_jax.skip_nonfinite`'s strict or lean mode orders every update
         after its decision anyway.
 
@@ -540,6 +553,11 @@ def data_parallel_step(
             f"Mesh axes are {tuple(mesh.shape)}; local_axis '{local_axis}' is not one other "
             f"than axis_name '{axis_name}'."
         )
+    if weight_update_order not in WEIGHT_UPDATE_ORDERS:
+        raise ValueError(
+            f"weight_update_order={weight_update_order!r}: choose one of "
+            f"{', '.join(map(repr, WEIGHT_UPDATE_ORDERS))}."
+        )
     workers = {axis_name, local_axis} - {None}
     if set(mesh.axis_names) != workers:
         raise ValueError(
@@ -557,5 +575,5 @@ def data_parallel_step(
         with_model_state=with_model_state,
         with_rng=with_rng,
         donate=donate,
-        order_weight_update=order_weight_update,
+        weight_update_order=weight_update_order,
     )

@@ -134,10 +134,25 @@ def state_bytes(params, tx: optax.GradientTransformation, mesh) -> rr.memory.Mod
     return rr.memory.model_state_bytes(params, optax.GradientTransformation(init, tx.update))
 
 
-def build_step(task: tasks.Task, tx: optax.GradientTransformation, mesh):
-    """The donated data-parallel step of the training program (not yet initialized)."""
+def build_step(
+    task: tasks.Task,
+    tx: optax.GradientTransformation,
+    mesh,
+    weight_update_order: str = "last_read",
+):
+    """The donated data-parallel step of the training program (not yet initialized).
+
+    ``weight_update_order``: see :func:`resireduce_jax.parallel.data_parallel_step`.
+    """
     return rr.parallel.data_parallel_step(
-        task.loss, tx, mesh, axis_name=AXIS, has_aux=True, with_model_state=True, with_rng=True
+        task.loss,
+        tx,
+        mesh,
+        axis_name=AXIS,
+        has_aux=True,
+        with_model_state=True,
+        with_rng=True,
+        weight_update_order=weight_update_order,
     )
 
 
