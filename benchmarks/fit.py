@@ -286,7 +286,7 @@ class _Runner:
         config = compiler.config_for(candidate)
         mesh = rr.parallel.make_mesh(NUM_WORKERS, compiled_step.AXIS)
         tx = compiled_step.build_train_tx(config, 100.0, 10_000)
-        self.step = compiled_step.build_step(task, tx, mesh)
+        self.step = compiled_step.build_step(task, tx, mesh, config.weight_update_order)
         data = _synthetic_batch(task.model_config, NUM_WORKERS * batch, seq_len)
         per_worker = {k: v[:batch] for k, v in data.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))

@@ -58,6 +58,10 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
         (lambda c: c.schedule.__setitem__("name", "linear"), "schedule.name='linear'"),
         (lambda c: c.compression.__setitem__("nonfinite", "ignore"), "nonfinite='ignore'"),
         (lambda c: c.compression.__setitem__("guard_mode", "late"), "guard_mode='late'.*'strict'"),
+        (
+            lambda c: c.__setitem__("weight_update_order", "late"),
+            "weight_update_order='late'.*'unordered'",
+        ),
         (lambda c: c.compression.__setitem__("density", 0.0), "density must be in"),
         (
             lambda c: c.compression.__setitem__("typo_key", 1),
@@ -245,6 +249,7 @@ def test_nonfinite_raise_names_step_and_cause(tmp_path):
 
 def test_config_guard_modes_are_the_library_modes():
     assert config_schema.GUARD_MODES == rr.nonfinite.MODES
+    assert config_schema.WEIGHT_UPDATE_ORDERS == rr.parallel.WEIGHT_UPDATE_ORDERS
 
 
 def test_strict_guard_mode_names_the_gradient(tmp_path):

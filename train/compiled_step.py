@@ -239,7 +239,7 @@ def compile_step(
     params = variables.pop("params")
 
     tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
-    step = build_step(task, tx, mesh)
+    step = build_step(task, tx, mesh, config.weight_update_order)
     step.state_specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, axes)
     sharded_params = _on(replicated, params)
     model_state = _on(replicated, variables)

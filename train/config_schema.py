@@ -19,6 +19,7 @@ from ml_collections import config_dict
 __all__ = [
     "GUARD_MODES",
     "VARIANTS",
+    "WEIGHT_UPDATE_ORDERS",
     "ConfigError",
     "base_config",
     "check_processes",
@@ -44,6 +45,9 @@ class ConfigError(ValueError):
 # resireduce_jax.nonfinite.MODES, spelled out so that config files load without jax
 # (tests/test_train.py checks that the two agree).
 GUARD_MODES = ("loss", "strict", "lean")
+
+# resireduce_jax.parallel.WEIGHT_UPDATE_ORDERS, spelled out for the same reason.
+WEIGHT_UPDATE_ORDERS = ("last_read", "all_gradients", "unordered")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -126,6 +130,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 100
     c.keep_checkpoints = 3
     c.on_worker_change = "error"  # or "average": see train/checkpointing.py
+    # What orders each in-place weight update after the reads of the old weight
+    # (resireduce_jax.parallel.data_parallel_step): "last_read" (no weight copied),
+    # "all_gradients" or "unordered" (XLA copies the weights; the lower peak with Adan-R
+    # or optax's own optimizers under the default guard, benchmarks/results/guard_cost.md).
+    c.weight_update_order = "last_read"
 
     c.residual_analysis = ml_collections.ConfigDict()
     c.residual_analysis.layers = ""  # regex on leaf paths; "" disables
@@ -249,6 +258,11 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         comp.guard_mode in GUARD_MODES,
         f"compression.guard_mode={comp.guard_mode!r}; choose one of "
         f"{', '.join(map(repr, GUARD_MODES))}.",
+    )
+    _check(
+        c.weight_update_order in WEIGHT_UPDATE_ORDERS,
+        f"weight_update_order={c.weight_update_order!r}; choose one of "
+        f"{', '.join(map(repr, WEIGHT_UPDATE_ORDERS))}.",
     )
     _check(
         c.on_worker_change in ("error", "average"),

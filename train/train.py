@@ -203,7 +203,7 @@ def initial_state(run: Run) -> InitialState:
     model_state = rr.parallel.replicated(dict(variables), run.mesh)
     # The mesh's "local" axis, if any, makes the step hierarchical (batch, per-worker state
     # and metrics over both axes).
-    step_fn = compiled_step.build_step(run.task, run.tx, run.mesh)
+    step_fn = compiled_step.build_step(run.task, run.tx, run.mesh, run.config.weight_update_order)
     params, opt_state = step_fn.init(params)
     return InitialState(params, opt_state, model_state, step_fn, abstract["params"])
 
