@@ -6,8 +6,9 @@ transformer-like stack with a tied 8192x512 embedding (4 x 64 tokens per worker)
 2048x2048 layers, 32 examples per worker), where gradients, not activations, fill the
 step's memory. For each, 8 simulated CPU workers, Top-k 1 %, the jitted donated
 ``rr.parallel.data_parallel_step``, EF and w+2d, compiled (abstract shapes, nothing
-allocated) without the guard, without it but with ``order_weight_update=True`` (every
-weight update ordered after the last gradient: what any step-wide decision imposes), and
+allocated) without the guard, without it but with
+``weight_update_order="all_gradients"`` (every weight update ordered after the last
+gradient: what any step-wide decision imposes), and
 with ``rr.skip_nonfinite`` in its three modes (loss, the default; strict; lean). Reports
 ``peak = argument + output - alias + temp`` per worker, each variant's cost relative to
 the unguarded peak, and ResiReduce's peak drop against its residual-state saving.
@@ -207,7 +208,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "Peak per worker in MiB (cost of each guard mode relative to the unguarded peak).",
         "",
-        "| model | variant | optimizer | no guard | no guard, ordered update | loss (default) "
+        "| model | variant | optimizer | no guard | no guard, all_gradients | loss (default) "
         "| strict | lean |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
