@@ -16,12 +16,15 @@ the unguarded peak, and ResiReduce's peak drop against its residual-state saving
 Usage::
 
     python benchmarks/guard_cost.py            # about 15 minutes on 2 cores
+    python benchmarks/guard_cost.py --optimizers adan_r --merge   # re-run some rows only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from common import RESULTS, MiB, environment, write_results
@@ -245,11 +248,28 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_rows(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``before`` with every row of the same case (model, variant, optimizer, guard) replaced
+    by its row in ``now``, in ``before``'s order; cases new in ``now`` come last."""
+
+    def case(row: dict[str, Any]) -> tuple[str, ...]:
+        return row["model"], row["variant"], row["optimizer"], row["guard"]
+
+    fresh = {case(r): r for r in now}
+    merged = [fresh.pop(case(r), r) for r in before]
+    return merged + [r for r in now if case(r) in fresh]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace the rows compiled now in the earlier guard_cost.json, keep the others",
+    )
     args = parser.parse_args(argv)
 
     from resireduce_jax import runtime
@@ -265,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
         for g in GUARDS
     ]
     rows = [compile_peak(*case) for case in tqdm(cases, desc="compiling")]
+    previous = Path(args.out) / "guard_cost.json"
+    if args.merge and previous.exists():
+        rows = merge_rows(json.loads(previous.read_text())["rows"], rows)
     payload = environment(
         num_workers=8,
         scheduler="xla_cpu memory-optimizing (concurrency_optimized_scheduler=false)",

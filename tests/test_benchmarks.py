@@ -237,3 +237,30 @@ def test_hierarchical_accuracy_reuses_flat_runs_and_merges_by_layout(tmp_path, m
     table = hierarchical.markdown({"bytes": {}, "accuracy": merged})
     assert "| byte_gpt_deep | 1200 | ef | flat* | 2 | 10.50 ± 0.71 | +0.00 |" in table
     assert "| byte_gpt_deep | 1200 | ef | L=4 | 2 | 24.00 ± 0.00 | +13.50 |" in table
+
+
+def test_guard_cost_merge_replaces_the_rerun_cases_in_place():
+    import guard_cost
+
+    def row(model, optimizer, guard, peak):
+        return {
+            "model": model,
+            "variant": "ef",
+            "optimizer": optimizer,
+            "guard": guard,
+            "peak": peak,
+        }
+
+    before = [
+        row("conv", "sgd", "none", 1),
+        row("conv", "adan_r", "none", 2),
+        row("mlp", "adan_r", "loss", 3),
+    ]
+    now = [
+        row("mlp", "adan_r", "loss", 30),
+        row("conv", "adan_r", "none", 20),
+        row("vit", "adan_r", "none", 40),
+    ]
+    merged = guard_cost.merge_rows(before, now)
+    assert [r["peak"] for r in merged] == [1, 20, 30, 40]
+    assert [r["model"] for r in merged] == ["conv", "conv", "mlp", "vit"]
