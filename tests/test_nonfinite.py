@@ -196,14 +196,17 @@ def test_skip_aware_optimizers_skip_exactly_in_place(name):
     np.testing.assert_array_equal(outs[2]["w"], 0.0)
     chex.assert_trees_all_equal(state, state_ref)
     chex.assert_trees_all_equal(p, p_ref)
-    if reference is not None:  # and without a skip, exactly optax's optimizer
-        ref = reference()
-        ref_state, ref_p = ref.init(params), params
-        for g in grads:
-            u, ref_state = jax.jit(ref.update)(g, ref_state, ref_p)
-            ref_p = optax.apply_updates(ref_p, u)
-        _, _, p_all = run(grads)
-        chex.assert_trees_all_equal(p_all, ref_p)
+    # Without a skip, exactly optax's optimizer, or (lion_r, adan_r) the same optimizer
+    # called without the skip argument, bit for bit.
+    ref = (reference or ours)()
+    ref_state, ref_p = ref.init(params), params
+    for g in grads:
+        u, ref_state = jax.jit(ref.update)(g, ref_state, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    _, state_all, p_all = run(grads)
+    chex.assert_trees_all_equal(p_all, ref_p)
+    if reference is None:
+        chex.assert_trees_all_equal(state_all, ref_state)
 
 
 # ------------------------------------------------- "loss" mode in the data-parallel step

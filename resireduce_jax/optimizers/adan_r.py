@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from resireduce_jax.optimizers._common import (
     MaskOrFn,
@@ -79,7 +80,6 @@ from resireduce_jax.optimizers._common import (
     check_max_grad_norm,
     check_non_negative,
     decay_flags,
-    gated_step,
     global_norm,
     is_zero_constant,
     scalar_as,
@@ -208,6 +208,15 @@ def adan_r(
                 "adan_r needs the parameters for its weight decay: call "
                 "tx.update(grads, opt_state, params)."
             )
+        if skip is not None:
+            # A skipped step's gradient must not become the next step's "previous" one: the
+            # step goes on with the previous gradient in its place (its states are kept and its
+            # update is zero anyway), so the new previous gradient is the incoming one at
+            # once. Selecting it only for the returned state, after the update, left that
+            # select for the end of a train step, holding every exchanged gradient and a copy
+            # of every old previous gradient until then (up to +16 % of the unguarded compiled
+            # peak on the conv stack and the wide MLP of benchmarks/guard_cost.py).
+            updates = jax.tree.map(lambda g, old: jnp.where(skip, old, g), updates, state.prev_grad)
         first = state.count == 0
         step = optax.safe_increment(state.count)
         # Scalars in float32, or float64 for float64 params (jax_enable_x64): see
@@ -235,18 +244,25 @@ def adan_r(
             g, prev = clipped(grad, scale), clipped(prev, prev_scale)
             zero = jnp.zeros_like(g)
 
-            def new_states(g, n, m, w):
-                diff = jnp.where(first, zero, g - prev)
-                nesterov = diff * b2 + g
-                n_new = b3 * n + (1 - b3) * (nesterov * nesterov)
-                # The new state takes over buffers in the order n -> m -> w (see the module
-                # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the
-                # m update read n_new, so it runs after the n update; likewise w after m.
-                m = m + jnp.minimum(n_new, 0)
-                m_new = b1 * m + (1 - b1) * g
-                w = w + jnp.minimum(jnp.abs(m_new), 0)
-                w_new = b2 * jnp.where(first, zero, w + (1 - b2) * g) - (1 - b2) * g
-                return n_new, m_new, w_new
+            def kept(new, old):
+                # Under a late skip (skip_nonfinite) the kept state where(skip, old, new) is
+                # formed behind a barrier, so that the next state's update and the update
+                # read it instead of recomputing it (XLA duplicates cheap element-wise
+                # producers into each consumer): each old buffer then has one reader, the
+                # pass that overwrites it in place (see _common.gated_step).
+                if skip is None:
+                    return new
+                return lax.optimization_barrier(jnp.where(skip, old.astype(new.dtype), new))
+
+            diff = jnp.where(first, zero, g - prev)
+            nesterov = diff * b2 + g
+            n_new = kept(b3 * n + (1 - b3) * (nesterov * nesterov), n)
+            # The new state takes over buffers in the order n -> m -> w (see the module
+            # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the m
+            # update read n_new, so it runs after the n update; likewise w after m.
+            m_new = kept(b1 * (m + jnp.minimum(n_new, 0)) + (1 - b1) * g, m)
+            w_carry = w + jnp.minimum(jnp.abs(m_new), 0)
+            w_new = kept(b2 * jnp.where(first, zero, w_carry + (1 - b2) * g) - (1 - b2) * g, w)
 
             def update_from(g, n_new, m_new, w_new):
                 # v from the *new* carry, so that w's old buffer has one reader (the w
@@ -267,8 +283,10 @@ def adan_r(
                     u = -delta
                 return u.astype(p.dtype)
 
-            u, (n_new, m_new, w_new) = gated_step(skip, g, (n, m, w), new_states, update_from)
-            return u, n_new, m_new, w_new
+            u = update_from(g, n_new, m_new, w_new)
+            if skip is not None:
+                u = jnp.where(skip, jnp.zeros((), u.dtype), u)
+            return u, *(x.astype(o.dtype) for x, o in ((n_new, n), (m_new, m), (w_new, w)))
 
         out = jax.tree.map(
             leaf,
@@ -283,17 +301,13 @@ def adan_r(
         new_updates, n, m, w = jax.tree.transpose(
             jax.tree.structure(updates), jax.tree.structure((0, 0, 0, 0)), out
         )
-        if skip is None:
-            prev_grad, count = updates, step
-        else:  # a skipped step's gradient must not become the next step's "previous" one
-            prev_grad = jax.tree.map(
-                lambda g, old: jnp.where(skip, old, g), updates, state.prev_grad
-            )
+        count = step
+        if skip is not None:
             count = jnp.where(skip, state.count, step)
             new_scale = None if new_scale is None else jnp.where(skip, prev_scale, new_scale)
         new_state = AdanRState(
             count=count,
-            prev_grad=prev_grad,
+            prev_grad=updates,
             exp_avg_sq=n,
             exp_avg=m,
             diff_carry=w,
