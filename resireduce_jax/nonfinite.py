@@ -26,8 +26,8 @@ Three modes (docs/design.md, "The non-finite guard"):
   gradient, which is what costs memory; use strict to skip and count them). Because the
   decision exists before the first gradient does, nothing waits for it: each gradient
   streams through the exchange and the optimizer as in an unguarded step (measured with
-  the skip-aware ``sgd``, ``adamw_r``, ``lion_r``: at or below the unguarded compiled
-  peak; ``adan_r`` up to +16 %: ``benchmarks/results/guard_cost.md``). Called
+  the skip-aware ``sgd``, ``adamw_r``, ``lion_r``, ``adan_r``: at or below the unguarded
+  compiled peak, ``benchmarks/results/guard_cost.md``). Called
   without ``loss_ok`` (a hand-written step that does not decide from the loss), it
   decides from the gradients exactly like strict.
 * **strict**. The decision comes from the gradients of every worker and gates them
