@@ -115,3 +115,14 @@ def test_donated_step_copies_no_parameter_or_state_buffer(model, variant):
     )
     copied = large_copies(unordered)
     assert copied and {origin for _, origin, _ in copied} == {"argument: params"}
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_adan_r_train_step_copies_no_previous_gradient(model):
+    """Adan-R's hand-over of the previous gradient in a donated train step: the new one is
+    written into the old one's buffer after the ``n`` update, its other reader, and the
+    later states read it from there, so XLA neither copies the old one away nor the new one
+    into place, with or without the guard (it copied both, one leaf each, before)."""
+    for guard in ("none", "loss", "strict"):
+        step = guard_cost.compile_peak(model, "ef", "adan_r", guard, keep_hlo=True, **SIZES[model])
+        assert not large_copies(step), guard

@@ -33,7 +33,9 @@ keeps a second parameter-sized buffer alive). Adan-R avoids both:
   of the same shape and dtype in order, so the gradient's buffer becomes the new
   ``prev_grad`` (no copy), the old ``prev_grad`` buffer receives the new ``exp_avg_sq``,
   the old ``exp_avg_sq`` buffer the new ``exp_avg`` and the old ``exp_avg`` buffer the
-  new ``diff_carry``. That is why the state fields come in this order.
+  new ``diff_carry``. That is why the state fields come in this order. (Since the new
+  previous gradient is written after the :math:`n` update, below, the state-first order
+  is copy-free too, at the same compiled peak.)
 * Such a hand-over is only copy-free if each old buffer is read by no fusion that runs
   after its new owner is written. The old previous gradient would have two readers
   (the updates of :math:`v` and :math:`n`), which makes the hand-over cyclic. So the
@@ -51,6 +53,16 @@ keeps a second parameter-sized buffer alive). Adan-R avoids both:
   finish one update before it starts the next. (``optimization_barrier`` would do the
   same, but XLA:CPU drops barriers unless ``cse_barrier_expander`` is disabled, and each
   barrier costs a small tuple buffer per leaf in a train step.)
+
+* In a train step the gradient is a temporary (the exchange's output) and the old previous
+  gradient a donated input. The new previous gradient, ``g + min(n_new, 0)`` (the same
+  dependency: ``g`` itself unless :math:`n_{new}` is NaN, where the element is lost in
+  official Adan too), is written into the old one's buffer after the :math:`n` update has
+  read it, and the :math:`m`, :math:`w` and parameter updates read it from there, so XLA
+  forms it right away and copies nothing (before, it copied the old previous gradient
+  away and the new one into place, two leaf-sized copies per leaf). Under a ``skip`` the
+  old previous gradient is kept and the step goes on with it; its states are kept and
+  its update is zero.
 
 With clipping, ``prev_grad`` holds the raw gradient and ``prev_grad_scale`` its clip
 factor, so the stored gradient is still the incoming buffer itself.
@@ -208,15 +220,6 @@ def adan_r(
                 "adan_r needs the parameters for its weight decay: call "
                 "tx.update(grads, opt_state, params)."
             )
-        if skip is not None:
-            # A skipped step's gradient must not become the next step's "previous" one: the
-            # step goes on with the previous gradient in its place (its states are kept and its
-            # update is zero anyway), so the new previous gradient is the incoming one at
-            # once. Selecting it only for the returned state, after the update, left that
-            # select for the end of a train step, holding every exchanged gradient and a copy
-            # of every old previous gradient until then (up to +16 % of the unguarded compiled
-            # peak on the conv stack and the wide MLP of benchmarks/guard_cost.py).
-            updates = jax.tree.map(lambda g, old: jnp.where(skip, old, g), updates, state.prev_grad)
         first = state.count == 0
         step = optax.safe_increment(state.count)
         # Scalars in float32, or float64 for float64 params (jax_enable_x64): see
@@ -237,11 +240,11 @@ def adan_r(
             prev_scale, new_scale = state.prev_grad_scale, scale
         flags = decay_flags(mask, params)
 
-        def leaf(grad, prev, n, m, w, p, decayed):
+        def leaf(grad, prev_raw, n, m, w, p, decayed):
             def clipped(x, factor):
                 return x if factor is None else x * scalar_as(factor, x)
 
-            g, prev = clipped(grad, scale), clipped(prev, prev_scale)
+            g, prev = clipped(grad, scale), clipped(prev_raw, prev_scale)
             zero = jnp.zeros_like(g)
 
             def kept(new, old):
@@ -260,6 +263,18 @@ def adan_r(
             # The new state takes over buffers in the order n -> m -> w (see the module
             # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the m
             # update read n_new, so it runs after the n update; likewise w after m.
+            # The new previous gradient is the incoming one, written after the n update (the
+            # old one's other reader) by the same dependency, and read by everything after it,
+            # so that XLA forms it at once in the old one's buffer (module docstring). On a
+            # skipped step the old one is kept and the step goes on with it (its states are
+            # kept, its update is zero): selected after the update instead, for the returned
+            # state only, that select was left for the end of a train step, holding every
+            # exchanged gradient until then (up to +16 % of the unguarded compiled peak on
+            # the conv stack and the wide MLP of benchmarks/guard_cost.py).
+            new_prev = grad + jnp.minimum(n_new, 0).astype(grad.dtype)
+            if skip is not None:
+                new_prev = jnp.where(skip, prev_raw, new_prev)
+            g = clipped(new_prev, scale)
             m_new = kept(b1 * (m + jnp.minimum(n_new, 0)) + (1 - b1) * g, m)
             w_carry = w + jnp.minimum(jnp.abs(m_new), 0)
             w_new = kept(b2 * jnp.where(first, zero, w_carry + (1 - b2) * g) - (1 - b2) * g, w)
@@ -286,7 +301,11 @@ def adan_r(
             u = update_from(g, n_new, m_new, w_new)
             if skip is not None:
                 u = jnp.where(skip, jnp.zeros((), u.dtype), u)
-            return u, *(x.astype(o.dtype) for x, o in ((n_new, n), (m_new, m), (w_new, w)))
+            return (
+                u,
+                new_prev,
+                *(x.astype(o.dtype) for x, o in ((n_new, n), (m_new, m), (w_new, w))),
+            )
 
         out = jax.tree.map(
             leaf,
@@ -298,8 +317,8 @@ def adan_r(
             params,
             flags,
         )
-        new_updates, n, m, w = jax.tree.transpose(
-            jax.tree.structure(updates), jax.tree.structure((0, 0, 0, 0)), out
+        new_updates, prev_grad, n, m, w = jax.tree.transpose(
+            jax.tree.structure(updates), jax.tree.structure((0, 0, 0, 0, 0)), out
         )
         count = step
         if skip is not None:
@@ -307,7 +326,7 @@ def adan_r(
             new_scale = None if new_scale is None else jnp.where(skip, prev_scale, new_scale)
         new_state = AdanRState(
             count=count,
-            prev_grad=updates,
+            prev_grad=prev_grad,
             exp_avg_sq=n,
             exp_avg=m,
             diff_carry=w,
