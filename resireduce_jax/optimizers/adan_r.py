@@ -260,21 +260,22 @@ def adan_r(
             diff = jnp.where(first, zero, g - prev)
             nesterov = diff * b2 + g
             n_new = kept(b3 * n + (1 - b3) * (nesterov * nesterov), n)
-            # The new state takes over buffers in the order n -> m -> w (see the module
-            # docstring). Adding min(n_new, 0), which is 0 unless n_new is NaN, makes the m
-            # update read n_new, so it runs after the n update; likewise w after m.
             # The new previous gradient is the incoming one, written after the n update (the
-            # old one's other reader) by the same dependency, and read by everything after it,
-            # so that XLA forms it at once in the old one's buffer (module docstring). On a
-            # skipped step the old one is kept and the step goes on with it (its states are
-            # kept, its update is zero): selected after the update instead, for the returned
-            # state only, that select was left for the end of a train step, holding every
-            # exchanged gradient until then (up to +16 % of the unguarded compiled peak on
-            # the conv stack and the wide MLP of benchmarks/guard_cost.py).
+            # old one's other reader: + min(n_new, 0) is 0 unless n_new is NaN) and read by
+            # everything after it, so that XLA forms it at once in the old one's buffer
+            # (module docstring). On a skipped step the old one is kept and the step goes on
+            # with it (its states are kept, its update is zero): selected after the update
+            # instead, for the returned state only, that select was left for the end of a
+            # train step, holding every exchanged gradient until then (up to +16 % of the
+            # unguarded compiled peak on the conv stack and the wide MLP of
+            # benchmarks/guard_cost.py).
             new_prev = grad + jnp.minimum(n_new, 0).astype(grad.dtype)
             if skip is not None:
                 new_prev = jnp.where(skip, prev_raw, new_prev)
             g = clipped(new_prev, scale)
+            # The new state takes over buffers in the order n -> m -> w (see the module
+            # docstring): adding min(n_new, 0) makes the m update read n_new, so it runs
+            # after the n update; likewise w after m.
             m_new = kept(b1 * (m + jnp.minimum(n_new, 0)) + (1 - b1) * g, m)
             w_carry = w + jnp.minimum(jnp.abs(m_new), 0)
             w_new = kept(b2 * jnp.where(first, zero, w_carry + (1 - b2) * g) - (1 - b2) * g, w)
