@@ -33,7 +33,7 @@ def peak(model: str, variant: str, optimizer: str, guard: str) -> dict:
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw_r", "adan_r"])
 def test_default_guard_costs_at_most_two_percent_of_the_unguarded_peak(model, optimizer):
     """Goal 1 for the default ("loss") mode: decided before the backward pass, so no
-    gradient waits for it (at this size: -7.5 % to +0.1 %). Adan-R hands a skipped step's
+    gradient waits for it (at this size: -5.9 % to +0.1 %). Adan-R hands a skipped step's
     previous gradient over before its update (up to +16 % here when it selected it
     after)."""
     for variant in ("ef", "w+2d"):
