@@ -1,0 +1,145 @@
+"""Leaf-sized maps written over their operand's buffer: block by block, and ``|x|`` with
+its signs kept as bits.
+
+Why this exists (docs/design.md, "Residuals at the compiled peak"). XLA gives the result of
+an elementwise op on a temporary (a gradient, a compensated gradient ``G~``) a buffer of its
+own: the operand's buffer is only reused after the op, never by it (measured on XLA:CPU,
+where only donated arguments are updated by elementwise ops in place). For a 196 MiB
+embedding that is a second 196 MiB at the moment of the op, and the exchange of one large
+layer makes several such maps: adding a compressed residual back, ``|G~|`` for Top-k,
+``|r|`` for the row and column norms of ResiReduce-2d (§4.3). A loop-carried
+``dynamic_update_slice``, however, is updated in place, so :func:`map_blocks` applies a map
+one row block at a time inside a ``fori_loop``: the leaf's buffer is carried through the
+loop and only one block is in flight.
+
+Top-k ranks by magnitude, and so do the row and column norms; the signed values are needed
+again afterwards (the payload, the residual). :func:`magnitudes` writes ``|x|`` over ``x``
+and keeps the signs as packed bits (``n / 32`` words); :func:`with_signs` and
+:func:`signed_at` give the signed values back, bit for bit (``-0.0`` and NaN payloads
+included: ``abs`` and ``neg`` only touch the sign bit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "BLOCK_BYTES",
+    "MAX_BLOCKS",
+    "flat_index",
+    "magnitudes",
+    "map_blocks",
+    "negative_at",
+    "sign_bits",
+    "signed_at",
+    "with_signs",
+]
+
+BLOCK_BYTES = 1 << 20
+"""A leaf is mapped in blocks of about this many bytes; a smaller leaf in one piece (its
+one extra buffer is at most this large)."""
+
+MAX_BLOCKS = 64
+"""At most this many blocks (loop trips) per map, whatever the leaf's size."""
+
+
+def _rows_view(x: jax.Array) -> jax.Array:
+    """``x`` as a matrix whose rows are contiguous: ``(shape[0], rest)``, or a 1-D leaf cut
+    into rows of the largest power of two up to 1024 that divides its size."""
+    if x.ndim >= 2:
+        return x.reshape(x.shape[0], -1)
+    n = x.size
+    width = math.gcd(n, 1024) if n else 1
+    return x.reshape(n // width, width)
+
+
+def _block_rows(rows: int, cols: int, itemsize: int) -> int:
+    """Rows per block: the leaf in ``ceil(bytes / BLOCK_BYTES)`` blocks, at most ``MAX_BLOCKS``."""
+    blocks = min(MAX_BLOCKS, rows, max(1, -(-rows * cols * itemsize // BLOCK_BYTES)))
+    return -(-rows // blocks)
+
+
+def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """``fn`` applied to ``x`` row block by row block, in ``x``'s own buffer.
+
+    Args:
+      x: the array; it must not be read after this call (else XLA copies it first).
+      fn: ``fn(block, row0) -> new block`` of the same shape and dtype, where ``block`` is
+        rows ``row0 ...`` of ``x``'s rows view (``x.reshape(x.shape[0], -1)``, or a 1-D
+        ``x`` cut into rows) and ``row0`` a traced int32. It must be elementwise in the
+        block's position (see :func:`flat_index`).
+
+    Returns:
+      ``x`` with every element mapped, shaped like ``x``.
+    """
+    m = _rows_view(x)
+    rows, cols = m.shape
+    b = _block_rows(rows, cols, x.dtype.itemsize)
+    if b >= rows:
+        return fn(m, jnp.zeros([], jnp.int32)).reshape(x.shape)
+    full = rows // b
+
+    def block(i, m):
+        row0 = (i * b).astype(jnp.int32)
+        new = fn(lax.dynamic_slice_in_dim(m, row0, b, 0), row0)
+        return lax.dynamic_update_slice_in_dim(m, new, row0, 0)
+
+    m = lax.fori_loop(0, full, block, m)
+    if rows % b:
+        row0 = full * b
+        m = m.at[row0:].set(fn(m[row0:], jnp.asarray(row0, jnp.int32)))
+    return m.reshape(x.shape)
+
+
+def flat_index(block: jax.Array, row0: jax.Array) -> jax.Array:
+    """The flat (``x.ravel()``) index of every element of a block of :func:`map_blocks`."""
+    rows = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
+    return rows * block.shape[1] + lax.broadcasted_iota(jnp.int32, block.shape, 1)
+
+
+def sign_bits(x: jax.Array) -> jax.Array:
+    """The sign bits of ``x.ravel()``, 32 to a ``uint32`` word (bit ``i % 32`` of word
+    ``i // 32``); ``-0.0`` and NaNs with the sign bit set count as negative."""
+    flat = x.ravel()
+    words = -(-flat.size // 32)
+    bits = jnp.pad(jnp.signbit(flat).astype(jnp.uint32), (0, words * 32 - flat.size))
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    return jnp.sum(bits.reshape(words, 32) << shifts, axis=1, dtype=jnp.uint32)
+
+
+def negative_at(bits: jax.Array, index: jax.Array) -> jax.Array:
+    """Whether the element at flat ``index`` (int32, any shape) had its sign bit set."""
+    word = bits[index >> 5]
+    return ((word >> (index & 31).astype(jnp.uint32)) & 1) == 1
+
+
+def signed_at(magnitude: jax.Array, bits: jax.Array, index: jax.Array) -> jax.Array:
+    """The signed values at flat ``index`` from their ``magnitude`` (same shape) and ``bits``."""
+    return jnp.where(negative_at(bits, index), -magnitude, magnitude)
+
+
+def magnitudes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(|x|, sign_bits(x))`` with ``|x|`` written over ``x``'s buffer.
+
+    ``x`` must not be read afterwards; :func:`with_signs` gives it back.
+    """
+    bits = sign_bits(x)
+    x, bits = lax.optimization_barrier((x, bits))  # the signs are read before |x| overwrites x
+    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block))
+    # Readers of |x| read the buffer: no fusion recomputes abs from x, which would keep x alive.
+    return lax.optimization_barrier((magnitude, bits))
+
+
+def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
+    """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer."""
+
+    def restore(block, row0):
+        a = jnp.abs(block)  # a block is mapped once; abs keeps the map idempotent anyway
+        return jnp.where(negative_at(bits, flat_index(block, row0)), -a, a)
+
+    return map_blocks(magnitude, restore)
