@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from resireduce_jax import in_place
 from resireduce_jax.compressors.base import check_axis_bound
 from resireduce_jax.exchange import ExchangeState
 from resireduce_jax.optimizers import AdamWRState, AdanRState, LionRState, SGDState
@@ -191,6 +192,15 @@ def value_and_guarded_grad(
     return wrapped
 
 
+def _replaced(g: jax.Array, keep: Any, value: float) -> jax.Array:
+    """``where(keep(g), g, value)``, written over the gradient's own buffer block by block
+    (:func:`resireduce_jax.in_place.map_blocks`): a gradient is a temporary, and a plain
+    select would hold a second copy of it beside the first, which the exchange of a large
+    layer kept in a 2-D store cannot absorb."""
+    fill = jnp.asarray(value, g.dtype)
+    return in_place.map_blocks(g, lambda block, row0: jnp.where(keep(block), block, fill))
+
+
 def _is_bad(g: jax.Array) -> jax.Array:
     return jnp.logical_not(jnp.all(jnp.isfinite(g)))
 
@@ -266,16 +276,16 @@ def skip_nonfinite(
             # when it was traced after the exchange or tied to the new state).
             ok = jnp.asarray(loss_ok, bool)
             bad_leaf = jnp.where(ok, jnp.int32(NO_BAD_LEAF), jnp.int32(LOSS))
-            safe = [jnp.where(ok & jnp.isfinite(g), g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
+            safe = [_replaced(g, lambda b: ok & jnp.isfinite(b), -0.0) for g in leaves]
         else:
             bad_leaf = _first_bad(axes, [_is_bad(g) for g in leaves])
             ok = bad_leaf == NO_BAD_LEAF
             if mode == "lean":
                 # Local and elementwise: each gradient streams into the exchange at once;
                 # the select fuses into the exchange's compensation pass.
-                safe = [jnp.where(jnp.isfinite(g), g, jnp.zeros((), g.dtype)) for g in leaves]
+                safe = [_replaced(g, jnp.isfinite, 0.0) for g in leaves]
             else:  # one decision before anything is sent: G + R == R on a skipped step
-                safe = [jnp.where(ok, g, jnp.asarray(-0.0, g.dtype)) for g in leaves]
+                safe = [_replaced(g, lambda b: ok, -0.0) for g in leaves]
         skip = jnp.logical_not(ok)
         # The guard consumes loss_ok and gives the inner chain skip; other extra arguments
         # pass through.

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from resireduce_jax import in_place
 from resireduce_jax.grouping import Group
 
 __all__ = [
@@ -261,20 +262,44 @@ def _axis_indices(view: MatrixView, rows: jax.Array, cols: jax.Array | None):
 
 
 def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
-    """``G~ = G + R`` with the (possibly shared or compressed) residual ``R``."""
-    if plan.kind in ("rows", "2d"):
-        m = g.reshape(plan.view.shape2d)
-        values = stored.values.astype(g.dtype)
-        if plan.kind == "rows":
-            if plan.view.row_axis == 0:
-                m = m.at[stored.rows, :].add(values, unique_indices=True)
-            else:
-                m = m.at[:, stored.rows].add(values, unique_indices=True)
-        else:
-            i0, i1 = _axis_indices(plan.view, stored.rows, stored.cols)
-            m = m.at[i0[:, None], i1[None, :]].add(values, unique_indices=True)
-        return m.reshape(g.shape)
-    return g + stored.astype(g.dtype)
+    """``G~ = G + R`` with the (possibly shared or compressed) residual ``R``.
+
+    An intra-layer residual is added where it belongs in ``G``'s own buffer, block by
+    block (:func:`resireduce_jax.in_place.map_blocks`): every element is read and written
+    once, and no index array the size of the kept block is formed (a scatter at rows ×
+    columns needs one, 2 int32 per kept element: twice the stored residual).
+    """
+    if plan.kind not in ("rows", "2d"):
+        return g + stored.astype(g.dtype)
+    size0, size1 = plan.view.shape2d
+    kept0, kept1 = _kept_indices(plan, stored)
+    where0 = None if kept0 is None else _positions(kept0, size0)
+    where1 = None if kept1 is None else _positions(kept1, size1)
+    values = stored.values.astype(g.dtype)
+
+    def add(block, row0):
+        i0 = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
+        i1 = lax.broadcasted_iota(jnp.int32, block.shape, 1)
+        at0 = i0 if where0 is None else where0[i0]
+        at1 = i1 if where1 is None else where1[i1]
+        kept = (at0 >= 0) & (at1 >= 0)
+        value = values[jnp.maximum(at0, 0), jnp.maximum(at1, 0)]
+        return jnp.where(kept, block + value, block)
+
+    return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)
+
+
+def _kept_indices(plan: StorePlan, stored: Any) -> tuple[jax.Array | None, jax.Array | None]:
+    """Indices of the stored values along the matrix view's axes 0 and 1 (``None``: all)."""
+    if plan.kind == "rows":
+        return (stored.rows, None) if plan.view.row_axis == 0 else (None, stored.rows)
+    return _axis_indices(plan.view, stored.rows, stored.cols)
+
+
+def _positions(indices: jax.Array, size: int) -> jax.Array:
+    """``p[j]`` = position of ``j`` in ``indices`` (unique), ``-1`` where it is absent."""
+    positions = jnp.arange(indices.shape[0], dtype=jnp.int32)
+    return jnp.full((size,), -1, jnp.int32).at[indices].set(positions, unique_indices=True)
 
 
 def residual_weight(x: jax.Array, phi: float, shard: Shard | None = None) -> jax.Array:
@@ -345,8 +370,13 @@ def dimension_norms(plan: StorePlan, x: jax.Array) -> DimensionNorms:
     so the exchange can take them of ``G~`` before ``G~`` is consumed
     (``norm_source="compensated"``).
     """
+    return _l1_norms(plan, jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32))))
+
+
+def _l1_norms(plan: StorePlan, magnitude: jax.Array) -> DimensionNorms:
+    """:func:`dimension_norms` from the magnitudes ``|x|`` themselves."""
     view = plan.view
-    a = jnp.abs(x.reshape(view.shape2d).astype(jnp.promote_types(x.dtype, jnp.float32)))
+    a = magnitude.reshape(view.shape2d).astype(jnp.promote_types(magnitude.dtype, jnp.float32))
     rows = jnp.sum(a, axis=1 - view.row_axis)
     cols = jnp.sum(a, axis=view.row_axis) if plan.kind == "2d" else None
     if plan.shard is not None:  # sums over axis 0 are partial on a shard: whole-layer norms
@@ -362,6 +392,10 @@ def compress_residual(
 ) -> Any:
     """Keeps the part of a fresh singleton residual ``r`` that ``plan`` stores (§4.3).
 
+    Without ``norms`` the rows and columns are ranked by ``r``'s own norms, taken of
+    ``|r|`` written over ``r``'s buffer (:func:`resireduce_jax.in_place.magnitudes`); the
+    kept values get their signs back from the sign bits. ``r`` must not be read afterwards.
+
     Args:
       plan: an intra-layer (``"rows"`` / ``"2d"``) store plan.
       r: the leaf's fresh residual ``G~ - D(P)``.
@@ -370,20 +404,32 @@ def compress_residual(
         ``norm_source="compensated"``); default: those of ``r``.
     """
     view = plan.view
-    m = r.reshape(view.shape2d)
+    width = view.shape2d[1]
     if norms is None:
-        norms = dimension_norms(plan, r)
+        magnitude, bits = in_place.magnitudes(r)
+        m = magnitude.reshape(view.shape2d)
+        norms = _l1_norms(plan, m)
+
+        def take(i0, i1):
+            return in_place.signed_at(m[i0, i1], bits, i0 * width + i1)
+    else:
+        m = r.reshape(view.shape2d)
+
+        def take(i0, i1):
+            return m[i0, i1]
+
     if key is not None:
         key_rows, key_cols = jax.random.split(key)
     else:
         key_rows = key_cols = None
     rows = _select(norms.rows, plan.keep_rows, plan.selection, key_rows)
     if plan.kind == "rows":
-        values = m[rows, :] if view.row_axis == 0 else m[:, rows]
-        return RowsResidual(rows, values.astype(plan.dtype))
+        every = jnp.arange(view.shape2d[1 - view.row_axis], dtype=jnp.int32)
+        i0, i1 = (rows, every) if view.row_axis == 0 else (every, rows)
+        return RowsResidual(rows, take(i0[:, None], i1[None, :]).astype(plan.dtype))
     cols = _select(norms.cols, plan.keep_cols, plan.selection, key_cols)
     i0, i1 = _axis_indices(view, rows, cols)
-    return BlockResidual(rows, cols, m[i0[:, None], i1[None, :]].astype(plan.dtype))
+    return BlockResidual(rows, cols, take(i0[:, None], i1[None, :]).astype(plan.dtype))
 
 
 def densify(plan: StorePlan, stored: Any) -> jax.Array:

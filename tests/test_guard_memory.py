@@ -59,30 +59,30 @@ def test_strict_and_lean_modes_pay_for_their_late_decision():
             assert strict > 1.02 * loss
 
 
-# Goal 2 (peak drop >= 0.9 x residual saving) holds on the conv stack in the guarded modes
-# (0.95 default, 1.00 strict) and nearly unguarded (0.896: each kernel's in-place update
-# waits for the update of the layer below's bias, and w+2d holds 0.12 MiB more while it
-# does; ``rr.read_order``). On the test-size transformer w+2d reaches 0.78-0.79 (see
-# guard_cost.md for the benchmark's size): its peak is the tied embedding's exchange, where
-# the compensated embedding and the |G~| buffer Top-k reads (2 x 4 MiB) are alive beside
-# the forward activations, while EF's peak is mid-backward (live-buffer dump:
-# ``benchmarks/peak_memory.py --explain``). Pinned here so it cannot silently get worse.
-DROP_BOUND = {"conv": 0.89, "transformer": 0.75}
+# Goal 2 (peak drop >= 0.9 x residual saving). Measured: conv stack 0.95 unguarded and
+# default, 1.00 strict; test-size transformer 0.99 unguarded and default, 0.84 strict. The
+# transformer's peak used to be its tied embedding's exchange (0.78), where the
+# compensated embedding, the |G~| buffer Top-k read and |r| for the 2-D store's norms were
+# alive at once: maps over temporaries are now written over their operand
+# (``resireduce_jax.in_place``; docs/design.md, "Residuals at the compiled peak"). Strict
+# holds every gradient until its decision; pinned at what it reaches.
+DROP_BOUND = {"none": 0.9, "loss": 0.9, "strict": 0.8}
+TEMP_MARGIN = {"none": 0.01, "loss": 0.01, "strict": 0.03}
 
 
 @pytest.mark.parametrize("model", ["transformer", "conv"])
 @pytest.mark.parametrize("guard", ["none", "loss", "strict"])
 def test_resireduce_peak_drop_against_its_state_saving(model, guard):
-    """w+2d's peak drop against EF over its residual saving; its temp may exceed EF's by
-    at most 4 % of EF's peak. Test-size transformer: +1.8 MiB (2.7 %) unguarded, +2.0 MiB
-    (2.9 %) default and strict: a shared group's running sum is one member-sized buffer alive while
-    the old group residual is still read, and the compensated gradients of grouped and
-    2-D-stored leaves live in temporaries where EF compensates in the donated residual."""
+    """w+2d's peak drop against EF over its residual saving; its temp exceeds EF's by at
+    most 1 % of EF's peak (3 % strict). Measured: +0.1 MiB (0.2 %) unguarded and default on
+    both models; strict +1.5 MiB (2.2 %) on the transformer, where a shared group's
+    running sum is one member-sized buffer alive while every gradient waits for the
+    decision."""
     ef, rr = peak(model, "ef", "sgd", guard), peak(model, "w+2d", "sgd", guard)
     saving = ef["residual_bytes"] - rr["residual_bytes"]
     assert saving > 0
-    assert ef["peak"] - rr["peak"] >= DROP_BOUND[model] * saving
-    assert rr["temp"] <= ef["temp"] + 0.04 * ef["peak"]
+    assert ef["peak"] - rr["peak"] >= DROP_BOUND[guard] * saving
+    assert rr["temp"] <= ef["temp"] + TEMP_MARGIN[guard] * ef["peak"]
 
 
 def large_copies(step: dict) -> list[tuple[str, str, str]]:

@@ -1,0 +1,185 @@
+"""Leaf-sized maps over their operand's buffer (``resireduce_jax.in_place``): values against
+numpy, bit-exact sign round trips, and the compiled temp memory they save."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import resireduce_jax as rr
+from resireduce_jax import compressors as C
+from resireduce_jax import in_place
+from resireduce_jax import residual_stores as stores
+
+SHAPES = [(97, 129), (4099,), (3, 5, 7, 11), (1, 3000), (3000, 1)]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of about 1 KiB, so that every test leaf is mapped in several blocks."""
+    monkeypatch.setattr(in_place, "BLOCK_BYTES", 1024)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def _awkward(shape, dtype=np.float32, seed=0) -> np.ndarray:
+    """Random values with -0.0, +0.0, infinities and NaNs of both signs mixed in."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(dtype).ravel()
+    specials = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, -np.nan], dtype)
+    x[: 7 * len(specials) : 7] = specials
+    return x.reshape(shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_map_blocks_equals_the_map_of_the_whole_leaf(shape, small_blocks):
+    x = _awkward(shape)
+    index = np.arange(x.size, dtype=np.int64).reshape(shape)
+
+    def fn(block, row0):  # depends on the element's flat index: a wrong offset shows
+        return block * 2.0 + in_place.flat_index(block, row0).astype(block.dtype)
+
+    got = jax.jit(lambda v: in_place.map_blocks(v, fn))(x)
+    np.testing.assert_array_equal(np.asarray(got), x * 2.0 + index.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_magnitudes_and_signs_round_trip_bit_for_bit(shape, dtype, small_blocks):
+    x = _awkward(shape, dtype)
+
+    @jax.jit
+    def round_trip(v):
+        magnitude, bits = in_place.magnitudes(v)
+        return magnitude, bits, in_place.with_signs(magnitude, bits)
+
+    magnitude, bits, back = (np.asarray(a) for a in round_trip(x))
+    np.testing.assert_array_equal(_bits(back), _bits(x))
+    np.testing.assert_array_equal(_bits(magnitude), _bits(np.abs(x)))
+    flat = np.arange(x.size)
+    negative = (bits[flat // 32] >> (flat % 32).astype(np.uint32)) & 1
+    np.testing.assert_array_equal(negative.astype(bool), np.signbit(x).ravel())
+
+
+def test_signed_at_gives_the_values_at_any_indices():
+    x = _awkward((50, 60))
+    index = np.random.default_rng(1).choice(x.size, size=(40, 3), replace=False).astype(np.int32)
+    bits = in_place.sign_bits(jnp.asarray(x))
+    got = in_place.signed_at(jnp.abs(jnp.asarray(x)).ravel()[index], bits, jnp.asarray(index))
+    np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(x.ravel()[index]))
+
+
+def _temp_bytes(fn, shape) -> int:
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.jit(fn).lower(spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_magnitudes_of_a_temporary_need_no_leaf_sized_buffer():
+    """``|x|`` of a temporary in its own buffer: the compiled temp holds ``x`` once (plus
+    blocks and sign bits), where a plain ``abs`` holds ``x`` and ``|x|`` at once."""
+    shape = (1024, 2048)  # 8 MiB: 8 blocks
+    leaf = 4 * 1024 * 2048
+    top = 1000
+
+    def plain(a, b):
+        x = jnp.sin(a) * b  # a temporary, as a compensated gradient is
+        values, indices = lax.top_k(jnp.abs(x).ravel(), top)
+        values, indices, x = lax.optimization_barrier((values, indices, x))
+        return jnp.sum(x, axis=0), values, indices
+
+    def in_its_buffer(a, b):
+        x = jnp.sin(a) * b
+        magnitude, bits = in_place.magnitudes(x)
+        values, indices = lax.top_k(magnitude.ravel(), top)
+        magnitude, bits, values, indices = lax.optimization_barrier(
+            (magnitude, bits, values, indices)
+        )
+        return jnp.sum(in_place.with_signs(magnitude, bits), axis=0), values, indices
+
+    assert _temp_bytes(plain, shape) >= 2 * leaf
+    assert _temp_bytes(in_its_buffer, shape) <= leaf + leaf // 4
+
+
+def _reduce_both_ways(compressor, x):
+    """``compressor.reduce`` and the generic ``Compressor.reduce`` for 8 workers."""
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def both(v):
+        v = v[0]
+        fast = compressor.reduce(v, (), None, "data")
+        generic = C.Compressor.reduce(compressor, v, (), None, "data")
+        return jax.tree.map(
+            lambda a: a[None], (fast.mean, fast.residual, generic.mean, generic.residual)
+        )
+
+    spec = jax.sharding.PartitionSpec("data")
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    return jax.jit(jax.shard_map(both, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+
+
+def test_topk_reduce_equals_compress_aggregate_residual_bit_for_bit(small_blocks):
+    x = np.stack([_awkward((97, 129), seed=s) for s in range(8)])
+    x[np.isnan(x)] = 0.0  # NaN ranks arbitrarily in Top-k; the guard keeps NaNs out anyway
+    mean, residual, mean_ref, residual_ref = (
+        np.asarray(a) for a in _reduce_both_ways(C.topk(0.05), x)
+    )
+    np.testing.assert_array_equal(_bits(mean), _bits(mean_ref))
+    np.testing.assert_array_equal(_bits(residual), _bits(residual_ref))
+
+
+def _np_store(plan, stored) -> tuple[np.ndarray, np.ndarray]:
+    """The stored residual as a dense matrix view and the mask of what it keeps."""
+    mask = np.zeros(plan.view.shape2d, bool)
+    rows = np.asarray(stored.rows)
+    if plan.kind == "rows":
+        if plan.view.row_axis == 0:
+            mask[rows, :] = True
+        else:
+            mask[:, rows] = True
+    else:
+        cols = np.asarray(stored.cols)
+        i0, i1 = (rows, cols) if plan.view.row_axis == 0 else (cols, rows)
+        mask[np.ix_(i0, i1)] = True
+    dense = np.zeros(plan.view.shape2d, np.float32)
+    dense[mask] = np.asarray(stored.values).ravel()
+    return dense, mask
+
+
+@pytest.mark.parametrize("kind", ["rows", "2d"])
+@pytest.mark.parametrize("path", ["embed/embedding", "dense/kernel"])
+def test_intra_layer_compensation_and_selection_against_numpy(kind, path, small_blocks):
+    """``compensate`` adds the kept values where they belong (and leaves every other bit,
+    ``-0.0`` included, alone); ``compress_residual`` keeps ``r``'s top rows/columns by L1
+    norm with their signed values."""
+    shape = (120, 90)
+    view = stores.matrix_view(path, shape)
+    group = rr.grouping.resolve(
+        {path.split("/")[0]: {path.split("/")[1]: jnp.zeros(shape)}},
+        rr.grouping.each_leaf(),
+        0,
+    )[0]
+    plan = stores.StorePlan(group, kind, jnp.float32, view, keep_rows=30, keep_cols=40)
+    g = _awkward(shape, seed=4)
+    g[np.isnan(g) | np.isinf(g)] = -0.0
+    r = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    stored = stores.compress_residual(plan, jnp.asarray(r), None)
+
+    m = r.reshape(view.shape2d)
+    row_norms = np.abs(m).sum(axis=1 - view.row_axis)
+    rows = np.sort(np.argsort(-row_norms, kind="stable")[: plan.keep_rows])
+    np.testing.assert_array_equal(np.asarray(stored.rows), rows)
+    if kind == "2d":
+        col_norms = np.abs(m).sum(axis=view.row_axis)
+        cols = np.sort(np.argsort(-col_norms, kind="stable")[: plan.keep_cols])
+        np.testing.assert_array_equal(np.asarray(stored.cols), cols)
+    kept, mask = _np_store(plan, stored)
+    np.testing.assert_array_equal(kept[mask], m[mask])  # the kept values, signed
+
+    got = np.asarray(jax.jit(lambda v: stores.compensate(plan, stored, v))(g))
+    expected = g.reshape(view.shape2d).copy()
+    expected[mask] = expected[mask] + kept[mask]
+    np.testing.assert_array_equal(_bits(got.reshape(view.shape2d)), _bits(expected))
