@@ -357,9 +357,8 @@ class _Exchange:
                 compensated = stores.compensate(store, stored, leaves[i])
                 norms = None
                 if store.norm_source == "compensated":  # the reference code's rows/columns
-                    norms = stores.dimension_norms(store, compensated)  # two vectors
-                    # Read G~ before it is consumed (and use the norms behind the barrier).
-                    compensated, norms = ordered(compensated, norms)
+                    # Two vectors of G~, taken before G~ is consumed, with |G~| in its buffer.
+                    compensated, norms = stores.dimension_norms_in_place(store, compensated)
                 r = send(i, compensated, None)
                 key = _selection_key(self.seed, state.count, i, self.worker_axes, store)
                 kept = stores.compress_residual(store, r, key, norms)

@@ -69,6 +69,7 @@ __all__ = [
     "compress_residual",
     "densify",
     "dimension_norms",
+    "dimension_norms_in_place",
     "init_store",
     "matrix_view",
     "residual_weight",
@@ -371,6 +372,16 @@ def dimension_norms(plan: StorePlan, x: jax.Array) -> DimensionNorms:
     (``norm_source="compensated"``).
     """
     return _l1_norms(plan, jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32))))
+
+
+def dimension_norms_in_place(plan: StorePlan, x: jax.Array) -> tuple[jax.Array, DimensionNorms]:
+    """:func:`dimension_norms` of ``x`` taken of ``|x|`` written over ``x``'s buffer
+    (:func:`resireduce_jax.in_place.magnitudes`); returns ``x`` again, bit for bit, with the
+    norms. For a temporary ``x`` (``G~`` of a 2-D store) that must live on afterwards."""
+    magnitude, bits = in_place.magnitudes(x)
+    norms = _l1_norms(plan, magnitude)
+    magnitude, norms = lax.optimization_barrier((magnitude, norms))  # read before restored
+    return in_place.with_signs(magnitude, bits), norms
 
 
 def _l1_norms(plan: StorePlan, magnitude: jax.Array) -> DimensionNorms:
