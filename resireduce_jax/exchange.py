@@ -42,7 +42,10 @@ Memory at the compiled peak (docs/design.md, "Residuals at the compiled peak"): 
 of a shared group are processed in layer order with a real data dependency of member
 ``i+1``'s compensation on the running sum of member ``i``, so at most one member's
 transient residual is alive at a time; compressors order the residual write after the
-compression read, so per-leaf residuals are updated in their donated buffers.
+compression read, so per-leaf residuals are updated in their donated buffers; and maps over
+a leaf-sized temporary (Top-k's ``|G~|``, a 2-D store's compensation and norms) are written
+over that temporary block by block (:mod:`resireduce_jax.in_place`), so the exchange of one
+large layer never holds it twice.
 """
 
 from __future__ import annotations
