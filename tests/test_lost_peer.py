@@ -69,6 +69,15 @@ def _wait_for_a_committed_checkpoint(workdir: str, timeout: float = 120) -> None
         time.sleep(0.05)
 
 
+def _crash_log(workdir: str, process: int) -> str:
+    """The tail of a process's crash log (what JAX and the collectives printed)."""
+    path = os.path.join(workdir, f"crash.p{process}.log")
+    if not os.path.exists(path):
+        return "\n(no crash log)"
+    with open(path, errors="replace") as f:
+        return "\n--- " + path + " ---\n" + f.read()[-3000:]
+
+
 def _check_console(out: str) -> str:
     """The survivor's console: one clean error block; returns it."""
     errors = [line for line in out.splitlines() if "error:" in line]
@@ -98,7 +107,8 @@ def test_killed_peer_ends_the_survivor_with_one_clear_message(tmp_path, victim, 
         elapsed = time.monotonic() - killed
         out = job.output(survivor)
     print(f"process {survivor} stopped {elapsed:.1f} s after process {victim} was killed")
-    assert code == supervisor.EXIT_PEER_LOST, out[-3000:]  # not 134 (abort), not a signal
+    # not 134 (abort), not a signal; on failure the child's own crash report says why
+    assert code == supervisor.EXIT_PEER_LOST, out[-3000:] + _crash_log(workdir, survivor)
     assert elapsed < TIMEOUT_S + 30
 
     message = _check_console(out)
