@@ -31,6 +31,7 @@ from jax import lax
 __all__ = [
     "BLOCK_BYTES",
     "MAX_BLOCKS",
+    "block_indices",
     "flat_index",
     "magnitudes",
     "map_blocks",
@@ -96,10 +97,16 @@ def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) ->
     return m.reshape(x.shape)
 
 
+def block_indices(block: jax.Array, row0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The (row, column) of every element of a block of :func:`map_blocks` in the rows view."""
+    rows = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
+    return rows, lax.broadcasted_iota(jnp.int32, block.shape, 1)
+
+
 def flat_index(block: jax.Array, row0: jax.Array) -> jax.Array:
     """The flat (``x.ravel()``) index of every element of a block of :func:`map_blocks`."""
-    rows = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
-    return rows * block.shape[1] + lax.broadcasted_iota(jnp.int32, block.shape, 1)
+    rows, cols = block_indices(block, row0)
+    return rows * block.shape[1] + cols
 
 
 def sign_bits(x: jax.Array) -> jax.Array:
@@ -139,7 +146,6 @@ def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
     """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer."""
 
     def restore(block, row0):
-        a = jnp.abs(block)  # a block is mapped once; abs keeps the map idempotent anyway
-        return jnp.where(negative_at(bits, flat_index(block, row0)), -a, a)
+        return jnp.where(negative_at(bits, flat_index(block, row0)), -block, block)
 
     return map_blocks(magnitude, restore)

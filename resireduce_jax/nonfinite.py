@@ -281,8 +281,7 @@ def skip_nonfinite(
             bad_leaf = _first_bad(axes, [_is_bad(g) for g in leaves])
             ok = bad_leaf == NO_BAD_LEAF
             if mode == "lean":
-                # Local and elementwise: each gradient streams into the exchange at once;
-                # the select fuses into the exchange's compensation pass.
+                # Local and elementwise: each gradient streams into the exchange at once.
                 safe = [_replaced(g, jnp.isfinite, 0.0) for g in leaves]
             else:  # one decision before anything is sent: G + R == R on a skipped step
                 safe = [_replaced(g, lambda b: ok, -0.0) for g in leaves]

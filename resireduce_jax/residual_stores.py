@@ -279,8 +279,7 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     values = stored.values.astype(g.dtype)
 
     def add(block, row0):
-        i0 = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
-        i1 = lax.broadcasted_iota(jnp.int32, block.shape, 1)
+        i0, i1 = in_place.block_indices(block, row0)
         at0 = i0 if where0 is None else where0[i0]
         at1 = i1 if where1 is None else where1[i1]
         kept = (at0 >= 0) & (at1 >= 0)

@@ -105,16 +105,18 @@ def test_magnitudes_of_a_temporary_need_no_leaf_sized_buffer():
 
 
 def _reduce_both_ways(compressor, x):
-    """``compressor.reduce`` and the generic ``Compressor.reduce`` for 8 workers."""
+    """``compressor.reduce`` and, as the reference, its plain ``compress`` (``|x|`` in a
+    buffer of its own) followed by ``aggregate`` and ``residual``, for 8 workers."""
     mesh = jax.make_mesh((8,), ("data",))
 
     def both(v):
         v = v[0]
         fast = compressor.reduce(v, (), None, "data")
-        generic = C.Compressor.reduce(compressor, v, (), None, "data")
-        return jax.tree.map(
-            lambda a: a[None], (fast.mean, fast.residual, generic.mean, generic.residual)
-        )
+        payload, _ = compressor.compress(v, (), None)
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        mean = compressor.aggregate(payload, like, "data")
+        residual = compressor.residual(v, payload)
+        return jax.tree.map(lambda a: a[None], (fast.mean, fast.residual, mean, residual))
 
     spec = jax.sharding.PartitionSpec("data")
     x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))

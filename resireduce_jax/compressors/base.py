@@ -125,6 +125,18 @@ class Compressor(abc.ABC):
             decompressed = jnp.where(skip, jnp.zeros((), x.dtype), decompressed)
         return x - decompressed
 
+    def compress_consuming(
+        self, x: jax.Array, state: PyTree, key: jax.Array | None
+    ) -> tuple[PyTree, PyTree, jax.Array]:
+        """:meth:`compress` inside :meth:`reduce`: returns ``(payload, new_state, x)``.
+
+        ``x`` comes back bit for bit; a compressor may use its buffer as scratch space
+        meanwhile (Top-k ranks ``|x|`` there), since :meth:`reduce` reads ``x`` only
+        through the returned value.
+        """
+        payload, new_state = self.compress(x, state, key)
+        return payload, new_state, x
+
     def reduce(
         self,
         x: jax.Array,
@@ -145,7 +157,7 @@ class Compressor(abc.ABC):
             step is the exchange transform's business.
         """
         like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        payload, new_state = self.compress(x, state, key)
+        payload, new_state, x = self.compress_consuming(x, state, key)
         mean = self.aggregate(payload, like, axis_name)
         # Order the residual after compression. Without this XLA recomputes ``x = G + R``
         # inside each consumer fusion and cannot prove that writing the new residual into

@@ -29,13 +29,7 @@ import numpy as np
 from jax import lax
 
 from resireduce_jax import in_place
-from resireduce_jax.compressors.base import (
-    Compressor,
-    Reduced,
-    check_int,
-    dense_mean,
-    sparse_mean,
-)
+from resireduce_jax.compressors.base import Compressor, check_int, dense_mean, sparse_mean
 
 __all__ = [
     "DGC",
@@ -157,27 +151,22 @@ class TopK(_SparseBase):
         indices = indices.astype(jnp.int32)
         return SparsePayload(flat[indices], indices), state
 
-    def reduce(self, x, state, key, axis_name, skip=None):
-        """:meth:`Compressor.reduce` with ``|x|`` ranked in ``x``'s own buffer.
+    def compress_consuming(self, x, state, key):
+        """:meth:`compress` with ``|x|`` ranked in ``x``'s own buffer.
 
-        The payload, mean and residual are those of ``compress`` + ``aggregate`` +
-        ``residual``, bit for bit, but ``|x|`` is written over ``x`` with its signs kept as
-        bits (:func:`resireduce_jax.in_place.magnitudes`), Top-k reads it there and the
-        signs are put back before the residual is formed: no leaf-sized ``|x|`` buffer
-        exists beside ``x`` (docs/design.md, "Residuals at the compiled peak").
+        The payload is ``compress``'s, bit for bit, but ``|x|`` is written over ``x`` with
+        its signs kept as bits (:func:`resireduce_jax.in_place.magnitudes`), Top-k reads it
+        there and the signs are put back: no leaf-sized ``|x|`` buffer exists beside ``x``
+        at a large layer's exchange (docs/design.md, "Residuals at the compiled peak").
         """
         del key
-        like = jax.ShapeDtypeStruct(x.shape, x.dtype)
         magnitude, bits = in_place.magnitudes(x)
         top, indices = lax.top_k(magnitude.ravel(), self.k(x.size))
         indices = indices.astype(jnp.int32)
         # Top-k has read |x| before the signs are restored over it.
         magnitude, bits, top, indices = lax.optimization_barrier((magnitude, bits, top, indices))
         payload = SparsePayload(in_place.signed_at(top, bits, indices), indices)
-        x = in_place.with_signs(magnitude, bits)
-        mean = self.aggregate(payload, like, axis_name)
-        x, payload = lax.optimization_barrier((x, payload))  # as in Compressor.reduce
-        return Reduced(mean=mean, residual=self.residual(x, payload, skip), state=state)
+        return payload, state, in_place.with_signs(magnitude, bits)
 
 
 @dataclasses.dataclass(frozen=True)
