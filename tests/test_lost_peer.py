@@ -218,19 +218,28 @@ GLOO = (
     "jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: Read error: "
     "Connection reset by peer"
 )
+# A collective of this process failed first; the fatal error is then the shutdown barrier's,
+# which can end the process before the service's "unhealthy" line is written.
+BARRIER = GLOO + (
+    "\nF1125 20:52:42.632321 5810 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors. absl::Status: INTERNAL: Shutdown barrier has "
+    "failed.\nBarrier result: 'INTERNAL: Barrier failed because: task is set to ERROR: "
+    "UNAVAILABLE: Task 1 heartbeat timeout. This indicates that the remote task has failed'"
+)
 
 
 @pytest.mark.parametrize(
     ("text", "connected", "process_id", "expected"),
     [
         (HEARTBEAT, True, 0, supervisor.Diagnosis("peer_lost", (2, 3), "heartbeat")),
+        (BARRIER, True, 0, supervisor.Diagnosis("peer_lost", (1,), "heartbeat")),
         (COORDINATOR_GONE, True, 1, supervisor.Diagnosis("peer_lost", (0,), "connection")),
         (NEVER, False, 0, supervisor.Diagnosis("never_connected", (1, 2, 3))),
         (NEVER, False, 2, supervisor.Diagnosis("never_connected", (0,))),
         (GLOO, True, 1, supervisor.Diagnosis("peer_lost", (), "collective")),
         ("Segmentation fault", True, 0, supervisor.Diagnosis("crash")),
     ],
-    ids=["heartbeat", "coordinator", "never_0", "never_2", "gloo", "crash"],
+    ids=["heartbeat", "barrier", "coordinator", "never_0", "never_2", "gloo", "crash"],
 )
 def test_diagnosis_reads_the_childs_last_words(text, connected, process_id, expected):
     got = supervisor.diagnose(text, connected=connected, process_id=process_id, num_processes=4)

@@ -80,6 +80,11 @@ _UNHEALTHY = re.compile(
     re.S,
 )
 _TASK_INDEX = re.compile(r"(?:task:)?\b(\d+)\b")
+# The same loss as the coordination service words it inside another error (a failed
+# shutdown barrier, after a collective of this process failed): "Task 1 heartbeat timeout".
+# That error can be the fatal one, and its thread can abort the process before the
+# service's own "unhealthy" line is written.
+_HEARTBEAT_TIMEOUT = re.compile(r"\bTask (?:\S*task:)?(\d+) heartbeat timeout")
 # The coordinator's service is gone: the long-polling error RPC or a heartbeat RPC fails.
 _COORDINATOR_GONE = re.compile(
     r"(?:PollForError|Heartbeat)[\s\S]*?(?:Socket closed|Connection refused|Connection reset"
@@ -127,11 +132,13 @@ def diagnose(text: str, *, connected: bool, process_id: int, num_processes: int)
     if not connected and _REGISTRATION_FAILED.search(text):
         missing = tuple(i for i in range(num_processes) if i != process_id)
         return Diagnosis("never_connected", missing if process_id == 0 else (0,))
-    found = _UNHEALTHY.search(text)
-    if found:
-        lost = sorted({int(i) for i in _TASK_INDEX.findall(found.group(1))} - {process_id})
-        if lost:
-            return Diagnosis("peer_lost", tuple(lost), "heartbeat")
+    lost = set()
+    for found in _UNHEALTHY.finditer(text):
+        lost.update(int(i) for i in _TASK_INDEX.findall(found.group(1)))
+    lost.update(int(i) for i in _HEARTBEAT_TIMEOUT.findall(text))
+    lost.discard(process_id)
+    if lost:
+        return Diagnosis("peer_lost", tuple(sorted(lost)), "heartbeat")
     if process_id != 0 and _COORDINATOR_GONE.search(text):
         return Diagnosis("peer_lost", (0,), "connection")
     if connected and _PEER_CONNECTION.search(text):
