@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_BLOCKS",
     "block_indices",
     "flat_index",
+    "gather_as",
     "magnitudes",
     "map_blocks",
     "negative_at",
@@ -149,3 +151,19 @@ def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
         return jnp.where(negative_at(bits, flat_index(block, row0)), -block, block)
 
     return map_blocks(magnitude, restore)
+
+
+def gather_as(values: jax.Array, index: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """``values[index].astype(dtype)`` without a widened copy of ``values``.
+
+    XLA:CPU has no 16-bit float gather or dynamic slice: its float normalization converts
+    the whole operand to float32 first, and inside a loop that conversion is loop-invariant
+    and hoisted, so the loop holds a float32 copy of ``values``, twice its bytes. A 16-bit
+    float ``values`` is gathered as its ``uint16`` bit patterns instead, and only the
+    gathered elements are converted; XLA:CPU then materializes one ``uint16`` view of
+    ``values`` (its own bytes). Values are bit for bit those of the plain gather.
+    """
+    if jnp.issubdtype(values.dtype, jnp.floating) and jnp.dtype(values.dtype).itemsize == 2:
+        bits = lax.bitcast_convert_type(values, jnp.uint16)[index]
+        return lax.bitcast_convert_type(bits, values.dtype).astype(dtype)
+    return values[index].astype(dtype)

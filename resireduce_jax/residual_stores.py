@@ -276,14 +276,14 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     kept0, kept1 = _kept_indices(plan, stored)
     where0 = None if kept0 is None else _positions(kept0, size0)
     where1 = None if kept1 is None else _positions(kept1, size1)
-    values = stored.values.astype(g.dtype)
+    values = stored.values  # in the store's dtype: cast block by block, never as a whole
 
     def add(block, row0):
         i0, i1 = in_place.block_indices(block, row0)
         at0 = i0 if where0 is None else where0[i0]
         at1 = i1 if where1 is None else where1[i1]
         kept = (at0 >= 0) & (at1 >= 0)
-        value = values[jnp.maximum(at0, 0), jnp.maximum(at1, 0)]
+        value = in_place.gather_as(values, (jnp.maximum(at0, 0), jnp.maximum(at1, 0)), block.dtype)
         return jnp.where(kept, block + value, block)
 
     return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)

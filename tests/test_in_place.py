@@ -185,3 +185,38 @@ def test_intra_layer_compensation_and_selection_against_numpy(kind, path, small_
     expected = g.reshape(view.shape2d).copy()
     expected[mask] = expected[mask] + kept[mask]
     np.testing.assert_array_equal(_bits(got.reshape(view.shape2d)), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_gather_as_equals_the_plain_gather_bit_for_bit(dtype):
+    values = _awkward((40, 30), dtype, seed=6)
+    rng = np.random.default_rng(7)
+    index = (rng.integers(0, 40, (25, 17)), rng.integers(0, 30, (25, 17)))
+    got = jax.jit(lambda v, i, j: in_place.gather_as(v, (i, j), jnp.float32))(values, *index)
+    expected = values[index].astype(np.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), expected)  # NaN where NaN
+    np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(expected))
+
+
+def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
+    """A 2-D store kept in bfloat16 adds its values inside the block loop: the compiled temp
+    exceeds the float32 store's by at most the bfloat16 values' own bytes (the ``uint16``
+    view XLA:CPU materializes), where a plain gather costs a float32 copy of them."""
+    shape = (4096, 2048)  # 32 MiB leaf; kept 2048 x 1024 values: 4 MiB in bfloat16
+    leaf = {"dense": {"kernel": jnp.zeros(shape)}}
+    group = rr.grouping.resolve(leaf, rr.grouping.each_leaf(), 0)[0]
+    view = stores.matrix_view("dense/kernel", shape)
+
+    def temp(dtype) -> int:
+        plan = stores.StorePlan(group, "2d", dtype, view, keep_rows=2048, keep_cols=1024)
+        stored = jax.eval_shape(lambda: stores.init_store(plan))
+        g = jax.ShapeDtypeStruct(shape, jnp.float32)
+        fn = jax.jit(lambda s, v: stores.compensate(plan, s, jnp.sin(v)))  # v: a temporary
+        return fn.lower(stored, g).compile().memory_analysis().temp_size_in_bytes
+
+    values = 2048 * 1024 * 2  # bfloat16 bytes
+    with_bits = temp(jnp.bfloat16)
+    assert with_bits <= temp(jnp.float32) + values * 1.05, (with_bits, temp(jnp.float32))
+    monkeypatch.setattr(in_place, "gather_as", lambda v, i, dtype: v[i].astype(dtype))
+    assert temp(jnp.bfloat16) >= with_bits + values * 0.95  # the float32 copy it avoids
