@@ -279,11 +279,15 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     values = stored.values  # in the store's dtype: cast block by block, never as a whole
 
     def add(block, row0):
-        i0, i1 = in_place.block_indices(block, row0)
-        at0 = i0 if where0 is None else where0[i0]
-        at1 = i1 if where1 is None else where1[i1]
-        kept = (at0 >= 0) & (at1 >= 0)
-        value = in_place.gather_as(values, (jnp.maximum(at0, 0), jnp.maximum(at1, 0)), block.dtype)
+        # The kept values form a grid: gather the block's rows of it, then its columns, with
+        # one index per row and per column (a per-element index is 2 int32 per element).
+        rows = row0 + lax.iota(jnp.int32, block.shape[0])
+        at0 = rows if where0 is None else where0[rows]
+        value = in_place.gather_as(values, (jnp.maximum(at0, 0),), block.dtype)
+        kept = (at0 >= 0)[:, None]
+        if where1 is not None:
+            value = value[:, jnp.maximum(where1, 0)]
+            kept = kept & (where1 >= 0)[None, :]
         return jnp.where(kept, block + value, block)
 
     return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)
