@@ -277,18 +277,18 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     where0 = None if kept0 is None else _positions(kept0, size0)
     where1 = None if kept1 is None else _positions(kept1, size1)
     values = stored.values  # in the store's dtype: cast block by block, never as a whole
+    # The kept values form a grid: each block gathers its rows of it, then the columns, with
+    # one index per row and per column (a per-element index is 2 int32 per element).
+    cols = None if where1 is None else jnp.maximum(where1, 0)
+    kept_cols = True if where1 is None else (where1 >= 0)[None, :]
 
     def add(block, row0):
-        # The kept values form a grid: gather the block's rows of it, then its columns, with
-        # one index per row and per column (a per-element index is 2 int32 per element).
         rows = row0 + lax.iota(jnp.int32, block.shape[0])
         at0 = rows if where0 is None else where0[rows]
         value = in_place.gather_as(values, (jnp.maximum(at0, 0),), block.dtype)
-        kept = (at0 >= 0)[:, None]
-        if where1 is not None:
-            value = value[:, jnp.maximum(where1, 0)]
-            kept = kept & (where1 >= 0)[None, :]
-        return jnp.where(kept, block + value, block)
+        if cols is not None:
+            value = value[:, cols]
+        return jnp.where((at0 >= 0)[:, None] & kept_cols, block + value, block)
 
     return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)
 
