@@ -35,6 +35,7 @@ __all__ = [
     "block_indices",
     "flat_index",
     "gather_as",
+    "loop_variant",
     "magnitudes",
     "map_blocks",
     "negative_at",
@@ -153,17 +154,30 @@ def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
     return map_blocks(magnitude, restore)
 
 
-def gather_as(values: jax.Array, index: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
-    """``values[index].astype(dtype)`` without a widened copy of ``values``.
+def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:
+    """``(values, varying)`` unchanged, made to vary with the loop when ``values`` is a
+    16-bit float read by a slice or gather inside a loop body.
 
     XLA:CPU has no 16-bit float gather or dynamic slice: its float normalization converts
-    the whole operand to float32 first, and inside a loop that conversion is loop-invariant
-    and hoisted, so the loop holds a float32 copy of ``values``, twice its bytes. A 16-bit
-    float ``values`` is gathered as its ``uint16`` bit patterns instead, and only the
-    gathered elements are converted; XLA:CPU then materializes one ``uint16`` view of
-    ``values`` (its own bytes). Values are bit for bit those of the plain gather.
+    the whole operand to float32 first. When a loop body reads a loop-invariant
+    ``values`` (a residual store gathered block by block, a leaf summed chunk by chunk),
+    that conversion is loop-invariant too, and XLA hoists it out of the loop, where it is
+    a float32 copy of ``values``, twice its bytes (a ``uint16`` bitcast is hoisted and
+    materialized the same way, at its own bytes). ``values`` goes through one
+    ``optimization_barrier`` together with ``varying``, something that changes from one
+    iteration to the next (the index or the slice's start): the barrier's result varies
+    too, the conversion stays in the body, and XLA fuses it into the gather or slice,
+    which then converts only the elements it reads. Both results must be used: XLA drops
+    the operands of unused barrier results, and with them the effect.
     """
     if jnp.issubdtype(values.dtype, jnp.floating) and jnp.dtype(values.dtype).itemsize == 2:
-        bits = lax.bitcast_convert_type(values, jnp.uint16)[index]
-        return lax.bitcast_convert_type(bits, values.dtype).astype(dtype)
+        return lax.optimization_barrier((values, varying))
+    return values, varying
+
+
+def gather_as(values: jax.Array, index: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """``values[index].astype(dtype)`` inside a loop body whose ``index`` varies with the
+    loop, without a widened copy of a 16-bit float ``values`` (:func:`loop_variant`).
+    Values are bit for bit those of the plain gather."""
+    values, index = loop_variant(values, tuple(index))
     return values[index].astype(dtype)

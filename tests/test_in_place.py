@@ -201,8 +201,8 @@ def test_gather_as_equals_the_plain_gather_bit_for_bit(dtype):
 
 def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
     """A 2-D store kept in bfloat16 adds its values inside the block loop: the compiled temp
-    exceeds the float32 store's by at most the bfloat16 values' own bytes (the ``uint16``
-    view XLA:CPU materializes), where a plain gather costs a float32 copy of them."""
+    is the float32 store's (no widened and no bit-pattern copy of the store: the gathered
+    elements alone are converted), where a plain gather costs a float32 copy of them."""
     shape = (4096, 2048)  # 32 MiB leaf; kept 2048 x 1024 values: 4 MiB in bfloat16
     leaf = {"dense": {"kernel": jnp.zeros(shape)}}
     group = rr.grouping.resolve(leaf, rr.grouping.each_leaf(), 0)[0]
@@ -216,7 +216,7 @@ def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
         return fn.lower(stored, g).compile().memory_analysis().temp_size_in_bytes
 
     values = 2048 * 1024 * 2  # bfloat16 bytes
-    with_bits = temp(jnp.bfloat16)
-    assert with_bits <= temp(jnp.float32) + values * 1.05, (with_bits, temp(jnp.float32))
+    in_loop = temp(jnp.bfloat16)
+    assert in_loop <= temp(jnp.float32) + values * 0.05, (in_loop, temp(jnp.float32))
     monkeypatch.setattr(in_place, "gather_as", lambda v, i, dtype: v[i].astype(dtype))
-    assert temp(jnp.bfloat16) >= with_bits + values * 0.95  # the float32 copy it avoids
+    assert temp(jnp.bfloat16) >= in_loop + 2 * values * 0.95  # the float32 copy it avoids

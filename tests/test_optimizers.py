@@ -433,14 +433,14 @@ def test_chunked_global_norm_is_exact_and_costs_one_loop_per_large_leaf():
     sizes at, just above, between and at multiples of the chunk, in float32 and bfloat16.
     It compiles to exactly one while loop per large leaf (XLA:CPU gives each loop a 64-byte
     slot of temp: the cost the GSR benchmark reports for clipped train steps) and needs no
-    squared copy of a leaf: float32 leaves one chunk of scratch, a bfloat16 leaf one view
-    of its bits (XLA:CPU would widen a bfloat16 loop input to a float32 copy)."""
+    squared copy of a leaf, only a chunk of scratch: also for a bfloat16 leaf, which
+    XLA:CPU would widen to a float32 copy outside the loop (in_place.loop_variant)."""
     chunk = _common._NORM_CHUNK
     sizes = {"small": 1000, "at": chunk, "above": chunk + 1, "between": 3 * chunk + 5}
     sizes["multiple"] = 5 * chunk
     rng = np.random.default_rng(7)
     tree = {k: jnp.asarray(3 * rng.standard_normal(n) + 1, jnp.float32) for k, n in sizes.items()}
-    half = {"half": jnp.asarray(rng.standard_normal((200, 300)), jnp.bfloat16)}
+    half = {"half": jnp.asarray(rng.standard_normal((400, 300)), jnp.bfloat16)}
     norm = jax.jit(_common.global_norm)
 
     def exact(t):
@@ -460,7 +460,7 @@ def test_chunked_global_norm_is_exact_and_costs_one_loop_per_large_leaf():
     assert hlo.peak_memory(compiled).temp < 2 * chunk * 4
     compiled = norm.lower(half).compile()
     assert compiled.as_text().count(" while(") == 1
-    assert hlo.peak_memory(compiled).temp < half["half"].nbytes + 2 * chunk * 4
+    assert hlo.peak_memory(compiled).temp < 2 * chunk * 4 < half["half"].nbytes
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from resireduce_jax import in_place
+
 PyTree = Any
 ScalarOrSchedule = float | Callable[[jax.Array], jax.typing.ArrayLike]
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
@@ -149,37 +151,27 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
     Costs on XLA:CPU (measured, jax 0.10.2): one 64 KiB chunk of scratch, and a 64-byte
     slot of temp per loop that no other buffer shares (XLA gives every while loop's tuple
     its own), so a clipped train step has 64 B more temp per large leaf than
-    ``optax.clip_by_global_norm`` (see ``benchmarks/results/gsr_memory.md``). XLA:CPU
-    widens a bfloat16 array that enters a while loop to a float32 copy; a bfloat16 leaf
-    therefore enters the loop as its uint16 bits (XLA materializes that view once, one
-    leaf of bytes, half the float32 copy) and each chunk is widened exactly by a shift.
+    ``optax.clip_by_global_norm`` (see ``benchmarks/results/gsr_memory.md``). A 16-bit
+    leaf is read through :func:`resireduce_jax.in_place.loop_variant`: XLA:CPU would
+    otherwise widen it to a float32 copy outside the loop.
     """
     flat = x.reshape(-1)
     n = flat.size
     acc = accumulation_dtype(flat.dtype)
     if n <= _NORM_CHUNK or jax.default_backend() != "cpu":
         return jnp.sum(jnp.square(flat.astype(acc)))
-    if flat.dtype == jnp.bfloat16:
-        source = jax.lax.bitcast_convert_type(flat, jnp.uint16)
-
-        def widen(chunk: jax.Array) -> jax.Array:
-            return jax.lax.bitcast_convert_type(chunk.astype(jnp.uint32) << 16, jnp.float32)
-    else:
-        source = flat
-
-        def widen(chunk: jax.Array) -> jax.Array:
-            return chunk.astype(acc)
 
     def add_chunk(i, total):
         start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
-        chunk = widen(jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)))
+        source, start = in_place.loop_variant(flat, start)
+        chunk = jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)).astype(acc)
         unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
         return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
 
     steps = -(-n // _NORM_CHUNK)
     # zeros_like keeps the leaf's varying-ness over a shard_map axis (a worker's local
     # gradient: DGC's clipping), as the loop carry must.
-    total = jnp.zeros_like(source, dtype=acc, shape=())
+    total = jnp.zeros_like(flat, dtype=acc, shape=())
     return jax.lax.fori_loop(0, steps, add_chunk, total)
 
 
