@@ -35,6 +35,7 @@ __all__ = [
     "block_indices",
     "flat_index",
     "gather_as",
+    "is_16_bit_float",
     "loop_variant",
     "magnitudes",
     "map_blocks",
@@ -162,22 +163,36 @@ def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:
     the whole operand to float32 first. When a loop body reads a loop-invariant
     ``values`` (a residual store gathered block by block, a leaf summed chunk by chunk),
     that conversion is loop-invariant too, and XLA hoists it out of the loop, where it is
-    a float32 copy of ``values``, twice its bytes (a ``uint16`` bitcast is hoisted and
-    materialized the same way, at its own bytes). ``values`` goes through one
+    a float32 copy of ``values``, twice its bytes; a ``uint16`` bitcast of ``values`` is
+    hoisted and materialized the same way, at its own bytes. ``values`` goes through one
     ``optimization_barrier`` together with ``varying``, something that changes from one
     iteration to the next (the index or the slice's start): the barrier's result varies
-    too, the conversion stays in the body, and XLA fuses it into the gather or slice,
-    which then converts only the elements it reads. Both results must be used: XLA drops
-    the operands of unused barrier results, and with them the effect.
+    too, so what the body computes from it stays in the body and is fused into the gather
+    or slice, which reads only its own elements. Both results must be used: XLA drops the
+    operands of unused barrier results, and with them the effect.
+
+    The barrier only survives XLA:CPU's pipeline with the flags of
+    :func:`resireduce_jax.runtime.configure_cpu`; without them it is removed, and callers
+    read ``values`` as ``uint16`` bits, so that what is hoisted then is the view, not a
+    float32 copy.
     """
-    if jnp.issubdtype(values.dtype, jnp.floating) and jnp.dtype(values.dtype).itemsize == 2:
+    if is_16_bit_float(values):
         return lax.optimization_barrier((values, varying))
     return values, varying
 
 
+def is_16_bit_float(x: jax.Array) -> bool:
+    """bfloat16 or float16: what XLA:CPU widens to float32 for slices and gathers."""
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
+
+
 def gather_as(values: jax.Array, index: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     """``values[index].astype(dtype)`` inside a loop body whose ``index`` varies with the
-    loop, without a widened copy of a 16-bit float ``values`` (:func:`loop_variant`).
-    Values are bit for bit those of the plain gather."""
+    loop, without a widened copy of a 16-bit float ``values``: it is read through
+    :func:`loop_variant` as its ``uint16`` bit patterns, and only the gathered elements
+    are converted. Values are bit for bit those of the plain gather."""
     values, index = loop_variant(values, tuple(index))
-    return values[index].astype(dtype)
+    if not is_16_bit_float(values):
+        return values[index].astype(dtype)
+    bits = lax.bitcast_convert_type(values, jnp.uint16)[index]
+    return lax.bitcast_convert_type(bits, values.dtype).astype(dtype)

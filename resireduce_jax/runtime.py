@@ -10,10 +10,14 @@ the flags that address them:
   collective (for example after a peer died) fail fast instead of hanging.
 * ``--xla_cpu_experimental_ynn_fusion_type=`` (empty) disables the YNNPACK fusion that
   returned NaN for ``(a @ ones).sum()`` with jaxlib 0.10.2.
-* ``--xla_disable_hlo_passes=cse_barrier_expander`` keeps ``jax.checkpoint``'s
-  optimization barriers; XLA:CPU otherwise removes them early in its pipeline, before
-  later simplification and CSE passes, which then merge the recomputation back and
-  silently undo rematerialization.
+* ``--xla_disable_hlo_passes=cse_barrier_expander,small-while-loop-hoisting`` keeps
+  ``jax.checkpoint``'s (and this library's) optimization barriers; XLA:CPU otherwise
+  removes them early in its pipeline, before later simplification and CSE passes, which
+  then merge the recomputation back and silently undo rematerialization. Kept barriers
+  need the second pass off: it compiles a while loop that accesses few bytes as one
+  kernel, whose emitter does not handle a barrier and aborts the process (jaxlib 0.10.2,
+  "Check failed: buffer != nullptr"; a ``jax.checkpoint`` inside a small ``fori_loop`` is
+  enough).
 * ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
   than for concurrency, so that compiled peak-memory figures are meaningful.
 
@@ -48,8 +52,8 @@ def cpu_flags(
         process (a warning is printed after half of it); ``None`` keeps XLA's default.
       memory_scheduler: schedule HLO for low memory instead of concurrency (an
         ``xla_cpu_*`` flag: no effect on other backends).
-      keep_remat_barriers: keep ``jax.checkpoint`` barriers (needed for remat on CPU;
-        harmless elsewhere, see the module docstring).
+      keep_remat_barriers: keep optimization barriers, ``jax.checkpoint``'s among them
+        (needed for remat on CPU; harmless elsewhere, see the module docstring).
 
     Returns:
       A list of ``--flag=value`` strings.
@@ -66,7 +70,7 @@ def cpu_flags(
             f"--xla_cpu_collective_call_terminate_timeout_seconds={collective_timeout_s}",
         ]
     if keep_remat_barriers:
-        flags.append("--xla_disable_hlo_passes=cse_barrier_expander")
+        flags.append("--xla_disable_hlo_passes=cse_barrier_expander,small-while-loop-hoisting")
     if memory_scheduler:
         flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
     return flags

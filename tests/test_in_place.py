@@ -199,6 +199,27 @@ def test_gather_as_equals_the_plain_gather_bit_for_bit(dtype):
     np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(expected))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(16, 3), (300, 40)])
+def test_gather_as_inside_a_loop_equals_numpy(dtype, shape):
+    """Inside a loop body the gather goes through an optimization barrier: it compiles for
+    any size (XLA:CPU's small-loop kernels aborted on a barrier) and its values are
+    numpy's."""
+    values = _awkward(shape, dtype, seed=8)
+
+    def rows_sum(v):
+        def body(i, acc):
+            at = (lax.iota(jnp.int32, 4) + i,)
+            return acc + in_place.gather_as(v, at, jnp.float32)
+
+        return lax.fori_loop(0, 3, body, jnp.zeros((4, shape[1]), jnp.float32))
+
+    got = np.asarray(jax.jit(rows_sum)(values))
+    wide = values.astype(np.float32)
+    expected = wide[0:4] + wide[1:5] + wide[2:6]  # the same additions, in the same order
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
     """A 2-D store kept in bfloat16 adds its values inside the block loop: the compiled temp
     is the float32 store's (no widened and no bit-pattern copy of the store: the gathered

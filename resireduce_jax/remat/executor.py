@@ -20,8 +20,9 @@ order changes.
 
 XLA:CPU also strips the optimization barriers that keep ``jax.checkpoint``'s recomputation
 apart from the forward pass, and CSE then merges the two, silently undoing the plan,
-unless ``--xla_disable_hlo_passes=cse_barrier_expander`` is in ``XLA_FLAGS`` (set by
-:func:`resireduce_jax.runtime.configure_cpu`). :func:`compile_gradient` checks that the
+unless ``--xla_disable_hlo_passes=cse_barrier_expander`` is in ``XLA_FLAGS``
+(:func:`resireduce_jax.runtime.configure_cpu` sets it, with ``small-while-loop-hoisting``,
+whose small-loop kernels cannot hold a barrier). :func:`compile_gradient` checks that the
 barriers survived.
 """
 
@@ -358,8 +359,8 @@ def compile_gradient(
             "XLA removed all optimization barriers of jax.checkpoint from the compiled "
             "gradient, so CSE merged the recomputation with the forward pass and the plan's "
             "memory saving is lost. On CPU, start the program with XLA_FLAGS containing "
-            "--xla_disable_hlo_passes=cse_barrier_expander (resireduce_jax.runtime."
-            "configure_cpu() sets it) before JAX initializes."
+            "--xla_disable_hlo_passes=cse_barrier_expander,small-while-loop-hoisting "
+            "(resireduce_jax.runtime.configure_cpu() sets it) before JAX initializes."
         )
         if jax.default_backend() == "cpu":
             raise RuntimeError(message)
