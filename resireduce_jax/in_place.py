@@ -35,11 +35,11 @@ __all__ = [
     "block_indices",
     "flat_index",
     "gather_as",
-    "is_16_bit_float",
     "loop_variant",
     "magnitudes",
     "map_blocks",
     "negative_at",
+    "read_in_loop",
     "sign_bits",
     "signed_at",
     "with_signs",
@@ -172,27 +172,43 @@ def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:
     operands of unused barrier results, and with them the effect.
 
     The barrier only survives XLA:CPU's pipeline with the flags of
-    :func:`resireduce_jax.runtime.configure_cpu`; without them it is removed, and callers
-    read ``values`` as ``uint16`` bits, so that what is hoisted then is the view, not a
-    float32 copy.
+    :func:`resireduce_jax.runtime.configure_cpu`; without them it is removed, and
+    :func:`read_in_loop` reads ``values`` as ``uint16`` bits, so that what is hoisted then
+    is the view, not a float32 copy.
     """
-    if is_16_bit_float(values):
+    if _is_16_bit_float(values):
         return lax.optimization_barrier((values, varying))
     return values, varying
 
 
-def is_16_bit_float(x: jax.Array) -> bool:
+def _is_16_bit_float(x: jax.Array) -> bool:
     """bfloat16 or float16: what XLA:CPU widens to float32 for slices and gathers."""
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
 
 
+def read_in_loop(
+    values: jax.Array,
+    varying: Any,
+    read: Callable[[jax.Array, Any], jax.Array],
+    dtype: Any,
+) -> jax.Array:
+    """``read(values, varying).astype(dtype)`` in a loop body, without a widened copy of a
+    16-bit float ``values`` hoisted out of the loop.
+
+    ``read`` is a gather or a slice that only moves elements (``lambda v, i: v[i]``,
+    ``lambda v, s: lax.dynamic_slice(v, (s,), (n,))``); ``varying`` changes from one
+    iteration to the next. A 16-bit ``values`` goes through :func:`loop_variant` and is
+    read as its ``uint16`` bit patterns, so only what ``read`` picks is converted. Values
+    are bit for bit those of the plain read.
+    """
+    values, varying = loop_variant(values, varying)
+    if not _is_16_bit_float(values):
+        return read(values, varying).astype(dtype)
+    bits = read(lax.bitcast_convert_type(values, jnp.uint16), varying)
+    return lax.bitcast_convert_type(bits, values.dtype).astype(dtype)
+
+
 def gather_as(values: jax.Array, index: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     """``values[index].astype(dtype)`` inside a loop body whose ``index`` varies with the
-    loop, without a widened copy of a 16-bit float ``values``: it is read through
-    :func:`loop_variant` as its ``uint16`` bit patterns, and only the gathered elements
-    are converted. Values are bit for bit those of the plain gather."""
-    values, index = loop_variant(values, tuple(index))
-    if not is_16_bit_float(values):
-        return values[index].astype(dtype)
-    bits = lax.bitcast_convert_type(values, jnp.uint16)[index]
-    return lax.bitcast_convert_type(bits, values.dtype).astype(dtype)
+    loop (:func:`read_in_loop`). Values are bit for bit those of the plain gather."""
+    return read_in_loop(values, tuple(index), lambda v, i: v[i], dtype)

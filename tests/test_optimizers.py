@@ -434,7 +434,7 @@ def test_chunked_global_norm_is_exact_and_costs_one_loop_per_large_leaf():
     It compiles to exactly one while loop per large leaf (XLA:CPU gives each loop a 64-byte
     slot of temp: the cost the GSR benchmark reports for clipped train steps) and needs no
     squared copy of a leaf, only a chunk of scratch: also for a bfloat16 leaf, which
-    XLA:CPU would widen to a float32 copy outside the loop (in_place.loop_variant)."""
+    XLA:CPU would widen to a float32 copy outside the loop (in_place.read_in_loop)."""
     chunk = _common._NORM_CHUNK
     sizes = {"small": 1000, "at": chunk, "above": chunk + 1, "between": 3 * chunk + 5}
     sizes["multiple"] = 5 * chunk

@@ -152,8 +152,8 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
     slot of temp per loop that no other buffer shares (XLA gives every while loop's tuple
     its own), so a clipped train step has 64 B more temp per large leaf than
     ``optax.clip_by_global_norm`` (see ``benchmarks/results/gsr_memory.md``). A 16-bit
-    leaf is read through :func:`resireduce_jax.in_place.loop_variant` as its ``uint16``
-    bits, each chunk widened exactly: XLA:CPU would otherwise hoist a float32 copy of the
+    leaf is read through :func:`resireduce_jax.in_place.read_in_loop` (its ``uint16``
+    bits, each chunk widened exactly): XLA:CPU would otherwise hoist a float32 copy of the
     leaf out of the loop.
     """
     flat = x.reshape(-1)
@@ -164,13 +164,9 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
 
     def add_chunk(i, total):
         start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
-        source, start = in_place.loop_variant(flat, start)
-        if in_place.is_16_bit_float(source):
-            bits = jax.lax.bitcast_convert_type(source, jnp.uint16)
-            bits = jax.lax.dynamic_slice(bits, (start,), (_NORM_CHUNK,))
-            chunk = jax.lax.bitcast_convert_type(bits, source.dtype).astype(acc)
-        else:
-            chunk = jax.lax.dynamic_slice(source, (start,), (_NORM_CHUNK,)).astype(acc)
+        chunk = in_place.read_in_loop(
+            flat, start, lambda v, s: jax.lax.dynamic_slice(v, (s,), (_NORM_CHUNK,)), acc
+        )
         unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
         return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
 
