@@ -270,7 +270,11 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     once, and no index array the size of the kept block is formed (a scatter at rows ×
     columns needs one, 2 int32 per kept element: twice the stored residual).
     """
-    if plan.kind not in ("rows", "2d"):
+    if plan.shared:  # R stays readable for the other members: written into G's buffer
+        return in_place.map_blocks(
+            g, lambda block, row0: block + in_place.rows_like(stored, block, row0, block.dtype)
+        )
+    if plan.kind not in ("rows", "2d"):  # written into the donated residual's buffer
         return g + stored.astype(g.dtype)
     size0, size1 = plan.view.shape2d
     kept0, kept1 = _kept_indices(plan, stored)
@@ -313,16 +317,17 @@ def residual_weight(x: jax.Array, phi: float, shard: Shard | None = None) -> jax
     over the local axis) and ``n`` is the leaf's size, so every device of a node computes
     the weight of the whole member.
     """
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    # Both sums in one pass, with no |x| or x*x as large as the member (in_place.sums).
+    sums = jnp.stack(
+        in_place.sums(x, (jnp.abs, jnp.square), jnp.promote_types(x.dtype, jnp.float32))
+    )
     if shard is None:
         n = x.size
-        l1 = jnp.sum(jnp.abs(x)) / n
-        l2 = jnp.sqrt(jnp.sum(x * x)) / math.sqrt(n)
     else:
         n = shard.leaf_size
-        sums = lax.psum(jnp.stack([jnp.sum(jnp.abs(x)), jnp.sum(x * x)]), shard.axis_name)
-        l1 = sums[0] / n
-        l2 = jnp.sqrt(sums[1]) / math.sqrt(n)
+        sums = lax.psum(sums, shard.axis_name)
+    l1 = sums[0] / n
+    l2 = jnp.sqrt(sums[1]) / math.sqrt(n)
     return phi * l1 + (1.0 - phi) * l2
 
 
@@ -334,14 +339,22 @@ class WeightedSum(NamedTuple):
 
     @classmethod
     def first(cls, r: jax.Array, weight: jax.Array) -> WeightedSum:
-        """Starts the sum from the first member (no separate zero buffer)."""
+        """Starts the sum from the first member (no separate zero buffer), written over
+        ``r``'s buffer when ``r`` is already in the sum's dtype."""
         dtype = jnp.promote_types(r.dtype, jnp.float32)
         weight = weight.astype(dtype)
-        return cls(weight * r.astype(dtype), weight)
+        return cls(in_place.map_blocks(r.astype(dtype), lambda block, _: weight * block), weight)
 
     def add(self, r: jax.Array, weight: jax.Array) -> WeightedSum:
+        """Adds ``weight * r`` to the sum in the sum's own buffer (:mod:`~resireduce_jax.in_place`:
+        an element-wise add on XLA:CPU would give the new sum a second member-sized buffer
+        while the old one is still read)."""
         weight = weight.astype(self.weight.dtype)
-        return WeightedSum(self.total + weight * r.astype(self.total.dtype), self.weight + weight)
+
+        def add_block(block, row0):
+            return block + weight * in_place.rows_like(r, block, row0, block.dtype)
+
+        return WeightedSum(in_place.map_blocks(self.total, add_block), self.weight + weight)
 
     def finish(self, plan: StorePlan) -> jax.Array:
         """The group residual; zero when all weights are zero (all members' x_i = 0)."""

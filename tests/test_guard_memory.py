@@ -45,10 +45,11 @@ def test_strict_and_lean_modes_pay_for_their_late_decision():
     """Strict and lean decide from every gradient, after the backward pass. Where the peak
     is mid-backward (the transformer) that is free; where it is early in the backward pass
     (conv) or gradients dominate (MLP) they hold every gradient or exchanged mean until the
-    decision: at this size strict +5.8 % / +13.4 %, lean +15.8 % / +13.6 % with SGD-m
-    (docs/design.md, "The non-finite guard"). Pinned so that it cannot silently get worse,
-    and so that the default mode's advantage stays measured."""
-    bounds = {"transformer": (1.02, 1.02), "conv": (1.07, 1.20), "mlp": (1.15, 1.16)}
+    decision: at this size strict +5.8 % / +22.3 %, lean +15.6 % / +20.6 % with SGD-m
+    (docs/design.md, "The non-finite guard"; the MLP's were +14.4 % / +12.9 % while its
+    unguarded step held a zero fill shared by all exchanges, 1 MiB more). Pinned so that it
+    cannot silently get worse, and so that the default mode's advantage stays measured."""
+    bounds = {"transformer": (1.02, 1.02), "conv": (1.07, 1.20), "mlp": (1.23, 1.21)}
     for model, (strict_bound, lean_bound) in bounds.items():
         plain = peak(model, "ef", "sgd", "none")["peak"]
         loss = peak(model, "ef", "sgd", "loss")["peak"]
@@ -87,13 +88,13 @@ def test_resireduce_peak_drop_against_its_state_saving(model, guard):
 
 def large_copies(step: dict) -> list[tuple[str, str, str]]:
     """Copies in the step as large as the smallest compressed leaf (10,000 float32), apart
-    from layout transposes and buffers filled from a constant (the zeros a scatter-add
-    starts from)."""
+    from layout transposes. Zero fills are not copied either: each exchange's accumulator
+    has its own (``compressors.base.zeros_for``), where the leaves of one shape used to
+    start from copies of one shared fill."""
     return [
         (c["shape"], c["origin"], c["source"])
         for c in peak_memory.copies(step["hlo"])
-        if not (c["fused"] or c["transpose"] or c["origin"] == "constant")
-        and c["bytes"] >= 4 * 10_000
+        if not (c["fused"] or c["transpose"]) and c["bytes"] >= 4 * 10_000
     ]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from resireduce_jax import hlo
+from resireduce_jax import hlo, in_place
 from resireduce_jax import optimizers as opt
 from resireduce_jax.optimizers import _common
 
@@ -435,7 +435,7 @@ def test_chunked_global_norm_is_exact_and_costs_one_loop_per_large_leaf():
     slot of temp: the cost the GSR benchmark reports for clipped train steps) and needs no
     squared copy of a leaf, only a chunk of scratch: also for a bfloat16 leaf, which
     XLA:CPU would widen to a float32 copy outside the loop (in_place.read_in_loop)."""
-    chunk = _common._NORM_CHUNK
+    chunk = in_place.SUM_CHUNK
     sizes = {"small": 1000, "at": chunk, "above": chunk + 1, "between": 3 * chunk + 5}
     sizes["multiple"] = 5 * chunk
     rng = np.random.default_rng(7)
@@ -567,11 +567,11 @@ def test_update_needs_params_and_a_matching_mask(make):
 
 
 def _float64_params():
-    """float64 leaves; ``wide`` has more than ``_common._NORM_CHUNK`` elements, so the
+    """float64 leaves; ``wide`` has more than ``in_place.SUM_CHUNK`` elements, so the
     clipping norm takes the chunked CPU path too. Call inside ``jax.enable_x64(True)``."""
     rng = np.random.default_rng(3)
     shapes = {"kernel": (16, 32), "bias": (32,), "head": (8, 4), "wide": (160, 128)}
-    assert np.prod(shapes["wide"]) > _common._NORM_CHUNK
+    assert np.prod(shapes["wide"]) > in_place.SUM_CHUNK
     return {k: jnp.asarray(rng.standard_normal(s), jnp.float64) for k, s in shapes.items()}
 
 

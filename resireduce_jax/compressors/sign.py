@@ -29,7 +29,7 @@ from resireduce_jax.compressors.base import (
     all_gather,
     axis_size,
     gathered_mean,
-    zeros_varying_like,
+    zeros_for,
 )
 
 __all__ = [
@@ -73,7 +73,7 @@ def majority_vote(packed: jax.Array, like: jax.ShapeDtypeStruct, axis_name: str)
         bits = jnp.unpackbits(lax.dynamic_index_in_dim(gathered, w, keepdims=False), count=n)
         return votes + (2 * bits.astype(jnp.int32) - 1)
 
-    zeros = zeros_varying_like((n,), jnp.int32, gathered)
+    zeros, gathered = zeros_for((n,), jnp.int32, gathered)
     votes = lax.fori_loop(0, axis_size(axis_name), add_worker, zeros)
     return jnp.sign(votes).astype(like.dtype).reshape(like.shape)
 

@@ -133,48 +133,14 @@ def decay_flags(mask: MaskOrFn, params: PyTree) -> PyTree:
         ) from err
 
 
-_NORM_CHUNK = 1 << 14  # elements per step of the CPU sum of squares
-
-
 def _sum_of_squares(x: jax.Array) -> jax.Array:
     """``sum(x**2)`` of one leaf in :func:`accumulation_dtype` (float32 for float32 and
-    narrower leaves, float64 for float64 leaves), without a squared copy of the leaf on CPU.
-
-    XLA:CPU does not fuse an element-wise producer into a reduction: ``sum(x*x)`` (and
-    ``vdot``, ``einsum``, row-wise sums) materializes the squared leaf, a temporary as
-    large as the largest leaf (147 MiB for GPT-2's token embedding), right at the
-    optimizer's peak. On CPU a leaf above ``_NORM_CHUNK`` elements is therefore summed in
-    chunks of that many elements in a loop (the last chunk is shifted back to stay in
-    bounds and masks what the previous one counted). Other backends fuse the square into
-    the reduction, so they get the plain sum.
-
-    Costs on XLA:CPU (measured, jax 0.10.2): one 64 KiB chunk of scratch, and a 64-byte
-    slot of temp per loop that no other buffer shares (XLA gives every while loop's tuple
-    its own), so a clipped train step has 64 B more temp per large leaf than
-    ``optax.clip_by_global_norm`` (see ``benchmarks/results/gsr_memory.md``). A 16-bit
-    leaf is read through :func:`resireduce_jax.in_place.read_in_loop` (its ``uint16``
-    bits, each chunk widened exactly): XLA:CPU would otherwise hoist a float32 copy of the
-    leaf out of the loop.
+    narrower leaves, float64 for float64 leaves), without a squared copy of the leaf on CPU
+    (:func:`resireduce_jax.in_place.sums`: a chunk loop; see
+    ``benchmarks/results/gsr_memory.md`` for its cost beside ``optax.clip_by_global_norm``).
     """
-    flat = x.reshape(-1)
-    n = flat.size
-    acc = accumulation_dtype(flat.dtype)
-    if n <= _NORM_CHUNK or jax.default_backend() != "cpu":
-        return jnp.sum(jnp.square(flat.astype(acc)))
-
-    def add_chunk(i, total):
-        start = jnp.minimum(i * _NORM_CHUNK, n - _NORM_CHUNK)
-        chunk = in_place.read_in_loop(
-            flat, start, lambda v, s: jax.lax.dynamic_slice(v, (s,), (_NORM_CHUNK,)), acc
-        )
-        unseen = start + jnp.arange(_NORM_CHUNK) >= i * _NORM_CHUNK
-        return total + jnp.sum(jnp.where(unseen, chunk * chunk, 0.0))
-
-    steps = -(-n // _NORM_CHUNK)
-    # zeros_like keeps the leaf's varying-ness over a shard_map axis (a worker's local
-    # gradient: DGC's clipping), as the loop carry must.
-    total = jnp.zeros_like(flat, dtype=acc, shape=())
-    return jax.lax.fori_loop(0, steps, add_chunk, total)
+    (total,) = in_place.sums(x, (jnp.square,), accumulation_dtype(x.dtype))
+    return total
 
 
 def accumulation_dtype(dtype: Any) -> jnp.dtype:
