@@ -253,6 +253,61 @@ def live_at_peak(dump_dir: str) -> dict[str, Any]:
     }
 
 
+def temp_packing(dump_dir: str) -> dict[str, int]:
+    """How XLA packed the step's temporaries: ``{"allocation": bytes, "most_alive": bytes}``.
+
+    ``allocation`` is the preallocated temp buffer (``memory_analysis().temp_size_in_bytes``);
+    ``most_alive`` the most bytes of it in use at one point of the schedule: every value
+    XLA placed in it (``*-buffer-assignment.txt``: offset and size) is live over its range
+    (``*-live-range.txt``), and values overlapping at one offset (aliases) count once. The
+    difference is what XLA's best-fit packing loses to fragmentation: memory the step needs
+    as compiled, but not a buffer any schedule keeps alive.
+    """
+    found = sorted(
+        glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations-buffer-assignment.txt")),
+        key=os.path.getsize,
+    )
+    if not found:
+        raise FileNotFoundError(f"No XLA buffer-assignment dump in {dump_dir}.")
+    placed: dict[str, tuple[int, int]] = {}
+    in_temp = False
+    with open(found[-1]) as f:
+        for line in f:
+            header = re.match(r"allocation \d+: size \d+, (.*)", line)
+            if header:
+                in_temp = "preallocated-temp" in header.group(1)
+                continue
+            value = re.match(
+                r"\s*value: <\d+ (\S+?)(\{[^}]*\})? @\d+> \(size=(\d+),offset=(\d+)\)", line
+            )
+            if value and in_temp:
+                placed[value.group(1) + (value.group(2) or "{}")] = (
+                    int(value.group(4)),
+                    int(value.group(3)),
+                )
+    with open(found[-1].replace("-buffer-assignment.txt", "-live-range.txt")) as f:
+        ranges_text = f.read().split("BufferLiveRange:", 1)[1].split("Live ranges at", 1)[0]
+    events: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    last = 0
+    for m in re.finditer(r"^\s+(\S+?\{[^}]*\}):(\d+)-(\d+)", ranges_text, re.M):
+        if m.group(1) in placed:
+            start, end = int(m.group(2)), int(m.group(3))
+            for t in range(start, end + 1):
+                events[t].append(placed[m.group(1)])
+            last = max(last, end)
+    most = 0
+    for intervals in events.values():
+        covered, high = 0, -1
+        for offset, size in sorted(intervals):
+            low = max(offset, high)
+            if offset + size > low:
+                covered += offset + size - low
+                high = offset + size
+        most = max(most, covered)
+    allocation = max((o + s for o, s in placed.values()), default=0)
+    return {"allocation": allocation, "most_alive": most}
+
+
 def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_root: str) -> dict:
     """XLA dump flags are fixed at start-up: compile one step in a child process."""
     import subprocess
@@ -264,7 +319,7 @@ def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_roo
     cmd = [sys.executable, __file__, "--models", model, "--_one", variant]
     flag = guard if isinstance(guard, str) else str(int(guard))
     subprocess.run([*cmd, "--_guard", flag], check=True, env=env, cwd=ROOT)
-    return live_at_peak(dump_dir)
+    return {**live_at_peak(dump_dir), "temp_packing": temp_packing(dump_dir)}
 
 
 # ------------------------------------------------------------------ the comparison
@@ -398,9 +453,11 @@ def _explain_section(results: list[dict[str, Any]]) -> list[str]:
     for r in explained:
         for variant, live in r["explain"].items():
             parts = ", ".join(f"{k} {_mib(v)}" for k, v in live["by_kind"].items())
+            packing = live["temp_packing"]
             lines.append(
                 f"* {r['model']} {variant} ({guard_name(r['guard'])}): total "
-                f"{_mib(live['total'])}: {parts}"
+                f"{_mib(live['total'])}: {parts}; temp {_mib(packing['allocation'])}, at most "
+                f"{_mib(packing['most_alive'])} of it alive at once"
             )
     return [*lines, ""]
 

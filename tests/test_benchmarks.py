@@ -264,3 +264,27 @@ def test_guard_cost_merge_replaces_the_rerun_cases_in_place():
     merged = guard_cost.merge_rows(before, now)
     assert [r["peak"] for r in merged] == [1, 20, 30, 40]
     assert [r["model"] for r in merged] == ["conv", "conv", "mlp", "vit"]
+
+
+def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
+    """From hand-made XLA dumps of a 300-byte temp buffer: ``a`` and ``b`` overlap in time
+    (200 B), ``e`` is ``b``'s tuple alias at the same offset (counted once), ``c`` reuses
+    ``a``'s slot after it and overlaps ``d`` (200 B); a parameter's value is not temp. At
+    most 200 B are alive at once; the other 100 B are what the packing lost."""
+    prefix = tmp_path / "module_0001.jit_body.cpu_after_optimizations"
+    (tmp_path / (prefix.name + "-buffer-assignment.txt")).write_text(
+        "allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:\n"
+        " value: <1 param.1 @0> (size=64,offset=0): f32[16]{0}\n"
+        "allocation 1: size 300, preallocated-temp:\n"
+        " value: <2 a @0> (size=100,offset=0): f32[25]{0}\n"
+        " value: <3 b @0> (size=100,offset=100): f32[25]{0}\n"
+        " value: <4 c @0> (size=100,offset=0): f32[25]{0}\n"
+        " value: <5 d @0> (size=100,offset=200): f32[25]{0}\n"
+        " value: <6 e{0} @0> (size=100,offset=100): f32[25]{0}\n"
+    )
+    (tmp_path / (prefix.name + "-live-range.txt")).write_text(
+        "HloLiveRange (max 5):\n  BufferLiveRange:\n"
+        "    param.1{}:0-5\n    a{}:0-2\n    b{}:1-3\n    e{0}:2-2\n    c{}:4-5\n    d{}:5-5\n"
+        "  Live ranges at 5 (peak):\n"
+    )
+    assert peak_memory.temp_packing(str(tmp_path)) == {"allocation": 300, "most_alive": 200}
