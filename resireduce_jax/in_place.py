@@ -1,5 +1,5 @@
 """Leaf-sized maps written over their operand's buffer: block by block, and ``|x|`` with
-its signs kept as bits.
+its signs kept as bits; and sums of maps of a leaf without a mapped copy of it.
 
 Why this exists (docs/design.md, "Residuals at the compiled peak"). XLA gives the result of
 an elementwise op on a temporary (a gradient, a compensated gradient ``G~``) a buffer of its
@@ -17,6 +17,11 @@ again afterwards (the payload, the residual). :func:`magnitudes` writes ``|x|`` 
 and keeps the signs as packed bits (``n / 32`` words); :func:`with_signs` and
 :func:`signed_at` give the signed values back, bit for bit (``-0.0`` and NaN payloads
 included: ``abs`` and ``neg`` only touch the sign bit).
+
+Reductions have the converse problem: XLA:CPU does not fuse an element-wise producer into
+a reduction, so ``sum(|x|)`` materializes ``|x|``. :func:`sums` reads the leaf in chunks
+in a loop and takes every map of a chunk at once (ResiReduce-w's weights, the clipping
+norm).
 """
 
 from __future__ import annotations
