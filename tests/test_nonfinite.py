@@ -333,34 +333,3 @@ def test_extra_arguments_other_than_loss_ok_reach_the_inner_chain():
 
     out = jax.vmap(step, axis_name="data")(grads)
     np.testing.assert_array_equal(out["w"], 3.0 * np.arange(6.0).reshape(2, 3))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_strict_decision_flags_any_nonfinite_element_without_a_flag_per_element(dtype):
-    """The strict and lean decision's per-leaf test: a NaN or an infinity anywhere (first,
-    last, inside a chunk) flags the leaf, a finite leaf is clean; and on a temporary 8 MiB
-    leaf it compiles to a chunk of scratch, where ``all(isfinite(g))`` holds a one-byte
-    flag per element (2 MiB)."""
-    from resireduce_jax import nonfinite
-
-    is_bad = jax.jit(nonfinite._is_bad)
-    for size in (1000, 70_001):
-        x = np.linspace(-3, 3, size).astype(np.float32)
-        assert not bool(is_bad(jnp.asarray(x, dtype)))
-        for at, value in ((0, np.nan), (size - 1, np.inf), (size // 2, -np.inf)):
-            y = x.copy()
-            y[at] = value
-            assert bool(is_bad(jnp.asarray(y, dtype)))
-
-    def temp(test):
-        spec = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
-
-        def step(a, b):
-            g = jnp.sin(a) * b  # a temporary, as a gradient is; returned, so not temp
-            return test(g), g
-
-        return jax.jit(step).lower(spec, spec).compile().memory_analysis().temp_size_in_bytes
-
-    flags = 1024 * 2048
-    assert temp(lambda g: ~jnp.all(jnp.isfinite(g))) >= flags
-    assert temp(nonfinite._is_bad) <= flags // 16
