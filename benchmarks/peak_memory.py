@@ -260,8 +260,8 @@ def temp_packing(dump_dir: str) -> dict[str, int]:
     ``most_alive`` the most bytes of it in use at one point of the schedule: every value
     XLA placed in it (``*-buffer-assignment.txt``: offset and size) is live over its range
     (``*-live-range.txt``), and values overlapping at one offset (aliases) count once. The
-    difference is what XLA's best-fit packing loses to fragmentation: memory the step needs
-    as compiled, but not a buffer any schedule keeps alive.
+    difference is what XLA's placement of values at offsets adds: memory the step needs as
+    compiled, but not bytes the schedule holds at once.
     """
     found = sorted(
         glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations-buffer-assignment.txt")),
