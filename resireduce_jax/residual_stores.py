@@ -265,7 +265,10 @@ def _axis_indices(view: MatrixView, rows: jax.Array, cols: jax.Array | None):
 def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     """``G~ = G + R`` with the (possibly shared or compressed) residual ``R``.
 
-    An intra-layer residual is added where it belongs in ``G``'s own buffer, block by
+    A leaf's own residual is donated, so ``G + R`` is written into it. A shared residual
+    is read by every member of its group, so it is added into ``G``'s own buffer, block
+    by block (:func:`resireduce_jax.in_place.map_blocks`). An intra-layer residual is
+    added where it belongs in ``G``'s own buffer, block by
     block (:func:`resireduce_jax.in_place.map_blocks`): every element is read and written
     once, and no index array the size of the kept block is formed (a scatter at rows ×
     columns needs one, 2 int32 per kept element: twice the stored residual).
