@@ -37,6 +37,7 @@ from jax import lax
 __all__ = [
     "BLOCK_BYTES",
     "MAX_BLOCKS",
+    "add_into",
     "block_indices",
     "flat_index",
     "gather_as",
@@ -45,7 +46,6 @@ __all__ = [
     "map_blocks",
     "negative_at",
     "read_in_loop",
-    "rows_like",
     "sign_bits",
     "signed_at",
     "sums",
@@ -111,13 +111,25 @@ def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) ->
     return m.reshape(x.shape)
 
 
-def rows_like(y: jax.Array, block: jax.Array, row0: jax.Array, dtype: Any) -> jax.Array:
-    """The block of ``y`` (shaped like :func:`map_blocks`'s ``x``) at ``block``'s position,
-    as ``dtype``: for a map that combines ``x`` with a second leaf element by element. A
-    16-bit ``y`` is read through :func:`read_in_loop`."""
-    return read_in_loop(
-        _rows_view(y), row0, lambda v, r: lax.dynamic_slice_in_dim(v, r, block.shape[0], 0), dtype
-    )
+def add_into(x: jax.Array, y: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """``x + y`` (``x + scale * y`` with a ``scale``) written over ``x``'s buffer, block
+    by block (:func:`map_blocks`; ``x`` must not be read afterwards). ``y`` has ``x``'s
+    shape; each block of it is read in the loop and cast to ``x``'s dtype (a 16-bit ``y``
+    through :func:`read_in_loop`).
+    For a sum into a temporary whose other operand must stay readable: a shared
+    residual added to a member's gradient, a member added to a running sum."""
+    y_rows = _rows_view(y)
+
+    def add(block, row0):
+        part = read_in_loop(
+            y_rows,
+            row0,
+            lambda v, r: lax.dynamic_slice_in_dim(v, r, block.shape[0], 0),
+            block.dtype,
+        )
+        return block + (part if scale is None else scale * part)
+
+    return map_blocks(x, add)
 
 
 def block_indices(block: jax.Array, row0: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -274,9 +274,7 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     columns needs one, 2 int32 per kept element: twice the stored residual).
     """
     if plan.shared:  # R stays readable for the other members: written into G's buffer
-        return in_place.map_blocks(
-            g, lambda block, row0: block + in_place.rows_like(stored, block, row0, block.dtype)
-        )
+        return in_place.add_into(g, stored)
     if plan.kind not in ("rows", "2d"):  # written into the donated residual's buffer
         return g + stored.astype(g.dtype)
     size0, size1 = plan.view.shape2d
@@ -353,11 +351,7 @@ class WeightedSum(NamedTuple):
         an element-wise add on XLA:CPU would give the new sum a second member-sized buffer
         while the old one is still read)."""
         weight = weight.astype(self.weight.dtype)
-
-        def add_block(block, row0):
-            return block + weight * in_place.rows_like(r, block, row0, block.dtype)
-
-        return WeightedSum(in_place.map_blocks(self.total, add_block), self.weight + weight)
+        return WeightedSum(in_place.add_into(self.total, r, weight), self.weight + weight)
 
     def finish(self, plan: StorePlan) -> jax.Array:
         """The group residual; zero when all weights are zero (all members' x_i = 0)."""

@@ -243,7 +243,9 @@ def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
     assert temp(jnp.bfloat16) >= in_loop + 2 * values * 0.95  # the float32 copy it avoids
 
 
-@pytest.mark.parametrize("size", [1000, in_place.SUM_CHUNK, in_place.SUM_CHUNK + 1, 5 * 16384 + 7])
+@pytest.mark.parametrize(
+    "size", [1000, in_place.SUM_CHUNK, in_place.SUM_CHUNK + 1, 5 * in_place.SUM_CHUNK + 7]
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sums_of_several_maps_equal_numpy(size, dtype):
     """Below, at, just above and well above one chunk (the last chunk shifted back and
