@@ -148,6 +148,7 @@ def compile_peak(
     *,
     keep_hlo: bool = False,
     weight_update_order: str | None = None,
+    backward_order: str = "streamed",
     **sizes: Any,
 ) -> dict[str, Any]:
     """Compiles one case (``sizes`` override the model's defaults); its per-worker peak.
@@ -178,7 +179,9 @@ def compile_peak(
     mesh = rr.parallel.make_mesh(8)
     if weight_update_order is None:
         weight_update_order = "all_gradients" if guard == "ordered" else "last_read"
-    step = rr.parallel.data_parallel_step(loss, tx, mesh, weight_update_order=weight_update_order)
+    step = rr.parallel.data_parallel_step(
+        loss, tx, mesh, weight_update_order=weight_update_order, backward_order=backward_order
+    )
     step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
     sharded = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params

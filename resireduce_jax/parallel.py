@@ -43,6 +43,7 @@ PyTree = Any
 AxisName = str | tuple[str, ...]
 
 __all__ = [
+    "BACKWARD_ORDERS",
     "LOCAL_AXIS",
     "WEIGHT_UPDATE_ORDERS",
     "DataParallelStep",
@@ -62,6 +63,9 @@ LOCAL_AXIS = "local"
 
 WEIGHT_UPDATE_ORDERS = ("last_read", "all_gradients", "unordered")
 """Values of :func:`data_parallel_step`'s ``weight_update_order``."""
+
+BACKWARD_ORDERS = ("streamed", "free")
+"""Values of :func:`data_parallel_step`'s ``backward_order``."""
 
 
 def make_mesh(
@@ -348,6 +352,7 @@ class DataParallelStep:
     with_rng: bool = False
     donate: bool = True
     weight_update_order: str = "last_read"
+    backward_order: str = "streamed"
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
@@ -416,10 +421,13 @@ class DataParallelStep:
                 grad_fn = value_and_guarded_grad(objective, axis, has_aux=True)
             else:
                 grad_fn = jax.value_and_grad(objective, has_aux=True)
-            if self.weight_update_order == "last_read":
+            streamed = self.backward_order == "streamed"
+            if self.weight_update_order == "last_read" or streamed:
                 out, partners = read_order.call_with_read_partners(
-                    grad_fn, local_params, lambda out: out[1]
+                    grad_fn, local_params, lambda out: out[1], stream_backward=streamed
                 )
+                if self.weight_update_order != "last_read":
+                    partners = None
             else:
                 out, partners = grad_fn(local_params), None
             if guarded:
@@ -497,6 +505,7 @@ def data_parallel_step(
     with_rng: bool = False,
     donate: bool = True,
     weight_update_order: str = "last_read",
+    backward_order: str = "streamed",
 ) -> DataParallelStep:
     """Builds the jitted, donated data-parallel train step over ``mesh``.
 
@@ -535,6 +544,12 @@ def data_parallel_step(
         peaks: ``benchmarks/results/guard_cost.md``. A chain guarded in
         :func:`~resireduce_jax.skip_nonfinite`'s strict or lean mode orders every update
         after its decision anyway.
+      backward_order: ``"streamed"`` (default): the backward pass waits for each weight
+        gradient whose computation frees more than it holds (a layer's ``dW = xᵀ·dy``
+        before the backward pass goes on from ``dy``), so that the gradients stream
+        through the exchange whatever order XLA's scheduler would prefer
+        (:mod:`resireduce_jax.backward_order`). ``"free"``: XLA's scheduler alone
+        decides, and may run every weight gradient after the last layer's cotangent.
 
     With a guarded ``tx`` (a :class:`~resireduce_jax.SkipNonFiniteState` in its state) the
     step takes its gradients from :func:`~resireduce_jax.nonfinite.value_and_guarded_grad`
@@ -558,6 +573,11 @@ def data_parallel_step(
             f"weight_update_order={weight_update_order!r}: choose one of "
             f"{', '.join(map(repr, WEIGHT_UPDATE_ORDERS))}."
         )
+    if backward_order not in BACKWARD_ORDERS:
+        raise ValueError(
+            f"backward_order={backward_order!r}: choose one of "
+            f"{', '.join(map(repr, BACKWARD_ORDERS))}."
+        )
     workers = {axis_name, local_axis} - {None}
     if set(mesh.axis_names) != workers:
         raise ValueError(
@@ -576,4 +596,5 @@ def data_parallel_step(
         with_rng=with_rng,
         donate=donate,
         weight_update_order=weight_update_order,
+        backward_order=backward_order,
     )

@@ -42,6 +42,8 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
+from resireduce_jax import backward_order
+
 PyTree = Any
 
 __all__ = ["after_reads", "call_with_read_partners", "last_read_partners"]
@@ -179,7 +181,11 @@ def last_read_partners(
 
 
 def call_with_read_partners(
-    fun: Callable[[PyTree], Any], params: PyTree, grads_of: Callable[[Any], PyTree]
+    fun: Callable[[PyTree], Any],
+    params: PyTree,
+    grads_of: Callable[[Any], PyTree],
+    *,
+    stream_backward: bool = False,
 ) -> tuple[Any, list[int | None]]:
     """Evaluates ``fun(params)`` and finds, per weight, the gradient its last read precedes.
 
@@ -190,6 +196,9 @@ def call_with_read_partners(
       params: the weights.
       grads_of: picks the gradient pytree (structured like ``params``) out of ``fun``'s
         output.
+      stream_backward: evaluate the jaxpr with its backward pass ordered to stream
+        (:func:`resireduce_jax.backward_order.streamed`); the partners are those of the
+        traced jaxpr (the ordering adds no read).
 
     Returns:
       ``(fun(params), partners)``, ``partners`` as :func:`last_read_partners` gives them,
@@ -199,18 +208,20 @@ def call_with_read_partners(
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: fun(params_tree.unflatten(leaves)), return_shape=True
     )(*flat_params)
-    flat_out = jex_core.jaxpr_as_fun(closed)(*flat_params)
-    out = jax.tree.unflatten(jax.tree.structure(out_shape), flat_out)
-
+    out_tree = jax.tree.structure(out_shape)
     # Outvar positions of the gradients: flatten a copy of the output whose leaves are
     # their own positions.
-    positions = jax.tree.unflatten(jax.tree.structure(out_shape), range(len(flat_out)))
+    positions = jax.tree.unflatten(out_tree, range(len(closed.jaxpr.outvars)))
     grad_positions = jax.tree.leaves(grads_of(positions))
     if len(grad_positions) != len(flat_params):
         raise ValueError(
             f"grads_of picked {len(grad_positions)} leaves; the weights have {len(flat_params)}."
         )
-    return out, last_read_partners(closed.jaxpr, len(flat_params), grad_positions)
+    partners = last_read_partners(closed.jaxpr, len(flat_params), grad_positions)
+    if stream_backward:
+        closed, _ = backward_order.streamed(closed, grad_positions)
+    flat_out = jex_core.jaxpr_as_fun(closed)(*flat_params)
+    return jax.tree.unflatten(out_tree, flat_out), partners
 
 
 def after_reads(

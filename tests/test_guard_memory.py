@@ -43,21 +43,22 @@ def test_default_guard_costs_at_most_two_percent_of_the_unguarded_peak(model, op
 
 def test_strict_and_lean_modes_pay_for_their_late_decision():
     """Strict and lean decide from every gradient, after the backward pass. Where the peak
-    is mid-backward (the transformer) that is free; where it is early in the backward pass
-    (conv) or gradients dominate (MLP) they hold every gradient or exchanged mean until the
-    decision: at this size strict +5.8 % / +22.3 %, lean +15.6 % / +20.6 % with SGD-m
-    (docs/design.md, "The non-finite guard"; the MLP's were +14.4 % / +12.9 % while its
-    unguarded step held a zero fill shared by all exchanges, 1 MiB more). Pinned so that it
-    cannot silently get worse, and so that the default mode's advantage stays measured."""
-    bounds = {"transformer": (1.02, 1.02), "conv": (1.07, 1.20), "mlp": (1.23, 1.21)}
+    is mid-backward (the transformer) that is free; where gradients dominate (MLP) they
+    hold every gradient or exchanged mean until the decision: at this size strict +22.2 %,
+    lean +20.5 % with SGD-m (docs/design.md, "The non-finite guard"). On the conv stack,
+    whose peak is early in the backward pass, strict costs +1.9 % and lean +12.6 % since
+    the backward pass streams (``rr.backward_order``; +5.8 % / +15.6 % before). Pinned so
+    that it cannot silently get worse, and so that the default mode's advantage stays
+    measured."""
+    bounds = {"transformer": (1.02, 1.02), "conv": (1.04, 1.15), "mlp": (1.23, 1.21)}
     for model, (strict_bound, lean_bound) in bounds.items():
         plain = peak(model, "ef", "sgd", "none")["peak"]
         loss = peak(model, "ef", "sgd", "loss")["peak"]
         strict = peak(model, "ef", "sgd", "strict")["peak"]
         assert strict <= strict_bound * plain
         assert peak(model, "ef", "sgd", "lean")["peak"] <= lean_bound * plain
-        if model != "transformer":
-            assert strict > 1.02 * loss
+        if model == "mlp":
+            assert strict > 1.1 * loss
 
 
 # Goal 2 (peak drop >= 0.9 x residual saving). Measured: conv stack 0.95 unguarded and
