@@ -33,6 +33,7 @@ equations: a rematerialized segment is one step of the order.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -133,17 +134,11 @@ def ties(jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]) -> list[Tie]:
     return result
 
 
-_BARRIER: tuple[Any, dict[str, Any]] | None = None
-
-
+@functools.cache
 def _barrier_primitive() -> tuple[Any, dict[str, Any]]:
     """``optimization_barrier``'s primitive and parameters, taken from a traced call."""
-    global _BARRIER
-    if _BARRIER is None:
-        traced = jax.make_jaxpr(lambda x, y: lax.optimization_barrier((x, y)))(0.0, 0.0)
-        eqn = traced.jaxpr.eqns[0]
-        _BARRIER = (eqn.primitive, dict(eqn.params))
-    return _BARRIER
+    eqn = jax.make_jaxpr(lambda x, y: lax.optimization_barrier((x, y)))(0.0, 0.0).jaxpr.eqns[0]
+    return eqn.primitive, dict(eqn.params)
 
 
 def streamed(
@@ -160,12 +155,12 @@ def streamed(
       and the number of ties added.
     """
     jaxpr = closed.jaxpr
-    placed: dict[int, list[Tie]] = {}
     found = ties(jaxpr, grad_positions)
-    for tie in found:
-        placed.setdefault(tie.after, []).append(tie)
     if not found:
         return closed, 0
+    placed: dict[int, list[Tie]] = {}
+    for tie in found:
+        placed.setdefault(tie.after, []).append(tie)
     primitive, params = _barrier_primitive()
     renamed: dict[Any, Any] = {}
 
