@@ -66,8 +66,10 @@ def transformer_model(vocab=8192, width=512, depth=6, tokens=64, batch=4):
     return shapes, loss, batch_shape
 
 
-def conv_model(channels=(3, 64, 64, 128, 128, 256, 256), batch=16):
-    """Conv stack on 32x32x3 images, max-pool every second layer: (shapes, loss, batch)."""
+def conv_model(channels=(3, 64, 64, 128, 128, 256, 256), batch=16, remat=False):
+    """Conv stack on 32x32x3 images, max-pool every second layer: (shapes, loss, batch).
+
+    ``remat``: every layer under ``jax.checkpoint`` (as ``nn.remat`` would put it)."""
     import jax
     import jax.numpy as jnp
 
@@ -78,18 +80,22 @@ def conv_model(channels=(3, 64, 64, 128, 128, 256, 256), batch=16):
     side = 32 // 2 ** ((len(channels) - 1) // 2)
     shapes["head"] = {"kernel": (channels[-1] * side * side, 100)}
 
+    def layer(p, x, pool):
+        x = jax.lax.conv_general_dilated(
+            x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        x = jax.nn.relu(x + p["bias"])
+        if pool:
+            x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return x
+
+    if remat:
+        layer = jax.checkpoint(layer, static_argnums=(2,))
+
     def loss(params, batch_):
         x = batch_["image"]
         for i in range(len(channels) - 1):
-            p = params[f"conv_{i}"]
-            x = jax.lax.conv_general_dilated(
-                x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            )
-            x = jax.nn.relu(x + p["bias"])
-            if i % 2 == 1:
-                x = jax.lax.reduce_window(
-                    x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
-                )
+            x = layer(params[f"conv_{i}"], x, i % 2 == 1)
         logits = x.reshape(x.shape[0], -1) @ params["head"]["kernel"]
         labels = batch_["label"]
         picked = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
