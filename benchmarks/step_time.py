@@ -11,10 +11,14 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
     python benchmarks/step_time.py --models resnet50 --repeats 5
     python benchmarks/step_time.py --weight-update-order   # the config's variant, the step's
                                                            # default order vs "unordered"
+    python benchmarks/step_time.py --backward-order        # streamed vs "free"
 
 ``--weight-update-order`` writes ``step_time_order.{json,md}`` instead: the config's variant
 with ``data_parallel_step``'s default ``weight_update_order="last_read"`` (each weight
 updated in place after its last read) against ``"unordered"`` (XLA copies the weights).
+``--backward-order`` writes ``step_time_backward.{json,md}``: the default
+``backward_order="streamed"`` (the backward pass waits for each weight gradient whose
+inputs outweigh it) against ``"free"`` (XLA's own order).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from common import NUM_WORKERS, RESULTS, Case, environment, guard_name, write_results
 
@@ -51,6 +55,41 @@ CASES: dict[str, Case] = {
 }
 
 
+class Comparison(NamedTuple):
+    """Two values of one ``data_parallel_step`` argument, timed on the config's variant."""
+
+    keyword: str  # the argument
+    baseline: str  # timed first, the ratio's denominator
+    default: str  # the step's default
+    output: str  # results file stem under benchmarks/results/
+    title: str
+    about: str  # what the two values do, for the table's heading
+
+
+COMPARISONS: dict[str, Comparison] = {
+    "weight_update_order": Comparison(
+        "weight_update_order",
+        "unordered",
+        "last_read",
+        "step_time_order",
+        "the weight-update order",
+        'the step\'s default ``weight_update_order="last_read"`` (each weight updated in '
+        'place once the backward pass has read it) against ``"unordered"`` (XLA copies each '
+        "weight instead)",
+    ),
+    "backward_order": Comparison(
+        "backward_order",
+        "free",
+        "streamed",
+        "step_time_backward",
+        "the backward-pass order",
+        'the step\'s default ``backward_order="streamed"`` (the backward pass waits for each '
+        "weight gradient whose inputs outweigh it, through optimization barriers) against "
+        '``"free"`` (XLA\'s scheduler orders the backward pass alone)',
+    ),
+}
+
+
 def _batch(model_config, rows: int, seq_len: int, seed: int):
     import numpy as np
 
@@ -70,7 +109,8 @@ class Runner:
     """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps.
 
     ``config``: the case's config with other settings (default ``case.load()``).
-    ``weight_update_order``: passed to the step (``data_parallel_step``).
+    ``options``: arguments of the step (``data_parallel_step``'s ``weight_update_order``,
+    ``backward_order``).
     """
 
     def __init__(
@@ -79,7 +119,7 @@ class Runner:
         variant: str,
         guard: bool,
         config=None,
-        weight_update_order: str = "last_read",
+        options: dict[str, str] | None = None,
     ):
         import jax
 
@@ -91,7 +131,7 @@ class Runner:
         model_config = task.model_config
         mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
-        self.step = compiled_step.build_step(task, tx, mesh, weight_update_order)
+        self.step = compiled_step.build_step(task, tx, mesh, **(options or {}))
         batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
         per_worker = {k: v[: case.batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
@@ -126,20 +166,22 @@ def measure(
     guard: bool,
     repeats: int,
     steps: int,
-    orders: tuple[str, str] | None = None,
+    compare: Comparison | None = None,
 ) -> dict[str, Any]:
-    """EF against the config's variant, or with ``orders=(a, b)`` the config's variant under
-    weight-update order ``a`` (reported as "ef" / baseline) against ``b``."""
+    """EF against the config's variant, or with ``compare`` the config's variant under the
+    comparison's baseline value (reported as "ef" / baseline) against its default."""
     variant = case.load().compression.variant
-    if orders is None:
-        runs = {"ef": ("ef", "last_read"), variant: (variant, "last_read")}
+    if compare is None:
+        runs = {"ef": ("ef", {}), variant: (variant, {})}
     else:
-        runs = {orders[0]: (variant, orders[0]), orders[1]: (variant, orders[1])}
+        runs = {
+            value: (variant, {compare.keyword: value})
+            for value in (compare.baseline, compare.default)
+        }
     labels = tuple(runs)
     start = time.perf_counter()
     runners = {
-        label: Runner(case, v, guard, weight_update_order=order)
-        for label, (v, order) in runs.items()
+        label: Runner(case, v, guard, options=options) for label, (v, options) in runs.items()
     }
     for runner in runners.values():  # compile, then warm up
         runner.run(1)
@@ -156,7 +198,8 @@ def measure(
         "model": name,
         "description": case.description,
         "variant": variant,
-        "orders": list(orders) if orders else None,
+        "compared": None if compare is None else compare.keyword,
+        "orders": None if compare is None else [compare.baseline, compare.default],
         "guard": guard,
         "repeats": repeats,
         "steps_per_repeat": steps,
@@ -170,20 +213,18 @@ def measure(
     }
 
 
-def markdown(results: list[dict[str, Any]], orders: bool = False) -> str:
-    """The table: EF against the variant, or (``orders``) the two weight-update orders."""
-    if orders:
+def markdown(results: list[dict[str, Any]], compare: Comparison | None = None) -> str:
+    """The table: EF against the variant, or the two values of ``compare``."""
+    if compare is not None:
         lines = [
-            "# Step time: the weight-update order (same process, interleaved)",
+            f"# Step time: {compare.title} (same process, interleaved)",
             "",
-            "The config's variant with the step's default "
-            '``weight_update_order="last_read"`` (each weight updated in place once the '
-            'backward pass has read it) against ``"unordered"`` (XLA copies each weight '
-            "instead). 8 simulated CPU workers sharing the machine's cores. Medians over the "
-            "repetitions; the ratio's quartiles are over per-repetition ratios.",
+            f"The config's variant with {compare.about}. 8 simulated CPU workers sharing the "
+            "machine's cores. Medians over the repetitions; the ratio's quartiles are over "
+            "per-repetition ratios.",
             "",
-            "| model | variant | guard | unordered s/step | last_read s/step | ratio "
-            "| ratio IQR | repeats x steps |",
+            f"| model | variant | guard | {compare.baseline} s/step | {compare.default} s/step "
+            "| ratio | ratio IQR | repeats x steps |",
             "|---|---|---|---:|---:|---:|---:|---:|",
         ]
     else:
@@ -202,7 +243,7 @@ def markdown(results: list[dict[str, Any]], orders: bool = False) -> str:
         ]
     for r in results:
         lo, hi = r["ratio_quartiles"]
-        variant = f" {r['variant']} |" if orders else ""
+        variant = f" {r['variant']} |" if compare else ""
         lines.append(
             f"| {r['model']} |{variant} {guard_name(r['guard'])} "
             f"| {r['median_ef']:.3f} | {r['median_reduced']:.3f} | {r['ratio_of_medians']:.3f} "
@@ -219,10 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     parser.add_argument("--no-guard", action="store_true", help="leave out skip_nonfinite")
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
         "--weight-update-order",
         action="store_true",
         help='time the default weight-update order against "unordered" instead',
+    )
+    which.add_argument(
+        "--backward-order",
+        action="store_true",
+        help='time the streamed backward pass against "free" instead',
     )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -231,7 +278,11 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure_cpu(NUM_WORKERS)
 
-    orders = ("unordered", "last_read") if args.weight_update_order else None
+    compare = None
+    if args.weight_update_order:
+        compare = COMPARISONS["weight_update_order"]
+    elif args.backward_order:
+        compare = COMPARISONS["backward_order"]
     results = []
     for name in args.models:
         r = measure(
@@ -240,18 +291,18 @@ def main(argv: list[str] | None = None) -> None:
             guard=not args.no_guard,
             repeats=args.repeats,
             steps=args.steps,
-            orders=orders,
+            compare=compare,
         )
         results.append(r)
-        first, second = orders or ("EF", r["variant"])
+        first, second = (compare.baseline, compare.default) if compare else ("EF", r["variant"])
         print(
             f"{name:10s} {first} {r['median_ef']:.3f} s  {second} {r['median_reduced']:.3f} s  "
             f"ratio {r['ratio_of_medians']:.3f}",
             flush=True,
         )
     payload = environment(num_workers=NUM_WORKERS, results=results)
-    if orders:
-        write_results("step_time_order", payload, markdown(results, orders=True), args.out)
+    if compare is not None:
+        write_results(compare.output, payload, markdown(results, compare), args.out)
     else:
         write_results("step_time", payload, markdown(results), args.out)
 

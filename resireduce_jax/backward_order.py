@@ -250,7 +250,9 @@ def _rewrite(flow: _Dataflow, found: list[Tie], grad_bits: int) -> tuple[jex_cor
         # that only goes on with the backward pass (a rematerialized segment) tells its
         # recomputed forward values from the backward ones by what they depend on.
         computes_forward = any(bits & flow.other_bits for bits in out_reach)
-        backward_in = None if computes_forward else [flow.backward(v) for v in eqn.invars]
+        backward_in = (
+            None if computes_forward else [_is_var(v) and flow.backward(v) for v in eqn.invars]
+        )
         # The body's inputs are the call's operands: held for the whole step where they
         # are the step's inputs, else buffers that computing a gradient early can free.
         held = {*body.constvars}

@@ -139,10 +139,12 @@ def build_step(
     tx: optax.GradientTransformation,
     mesh,
     weight_update_order: str = "last_read",
+    backward_order: str = "streamed",
 ):
     """The donated data-parallel step of the training program (not yet initialized).
 
-    ``weight_update_order``: see :func:`resireduce_jax.parallel.data_parallel_step`.
+    ``weight_update_order``, ``backward_order``: see
+    :func:`resireduce_jax.parallel.data_parallel_step`.
     """
     return rr.parallel.data_parallel_step(
         task.loss,
@@ -153,6 +155,7 @@ def build_step(
         with_model_state=True,
         with_rng=True,
         weight_update_order=weight_update_order,
+        backward_order=backward_order,
     )
 
 
