@@ -204,14 +204,18 @@ def _level_ties(flow: _Dataflow, gradients: dict[int, list[int]]) -> list[Tie]:
     return result
 
 
-def _top_level(jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]) -> tuple[_Dataflow, int]:
+def _outermost(
+    jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]
+) -> tuple[_Dataflow, int, list[Tie]]:
+    """The outermost jaxpr's dataflow, the bits of its gradients and its own ties."""
     grad_bits = 0
     for p in grad_positions:
         grad_bits |= 1 << p
     other_bits = ((1 << len(jaxpr.outvars)) - 1) & ~grad_bits
     seeds = [1 << k for k in range(len(jaxpr.outvars))]
     held = {*jaxpr.invars, *jaxpr.constvars}
-    return _Dataflow(jaxpr, seeds, other_bits, None, held), grad_bits
+    flow = _Dataflow(jaxpr, seeds, other_bits, None, held)
+    return flow, grad_bits, _level_ties(flow, {p: [p] for p in grad_positions})
 
 
 def ties(jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]) -> list[Tie]:
@@ -222,8 +226,7 @@ def ties(jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]) -> list[Tie]:
       jaxpr: the gradient computation; its outvars include the gradients.
       grad_positions: the outvar index of every gradient.
     """
-    flow, _ = _top_level(jaxpr, grad_positions)
-    return _level_ties(flow, {p: [p] for p in grad_positions})
+    return _outermost(jaxpr, grad_positions)[2]
 
 
 @functools.cache
@@ -323,8 +326,7 @@ def streamed(
       The rewritten jaxpr (same inputs and outputs, values equal up to float32 rounding)
       and the number of ties added, in call bodies included.
     """
-    flow, grad_bits = _top_level(closed.jaxpr, grad_positions)
-    found = _level_ties(flow, {p: [p] for p in grad_positions})
+    flow, grad_bits, found = _outermost(closed.jaxpr, grad_positions)
     rewritten, count = _rewrite(flow, found, grad_bits)
     if not count:
         return closed, 0
