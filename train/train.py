@@ -55,12 +55,9 @@ log = logging.getLogger(__name__)
 __all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate", "worker_axes"]
 
 AXIS = "data"
-# XLA:CPU aborts when too many steps with collectives are queued (docs/design.md,
-# "CPU collectives and queued steps").
-MAX_QUEUED_STEPS = 8
-# Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather, at
-# steps where the loop blocks anyway), so that all processes stop at the same step.
-STOP_SYNC_EVERY = MAX_QUEUED_STEPS
+# Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather), so
+# that all processes stop at the same step.
+STOP_SYNC_EVERY = 8
 # Called with the number of every finished step (train/main.py reports it to the
 # supervising parent process, which names the step if a peer is lost).
 STEP_CALLBACKS: list[Callable[[int], None]] = []
@@ -531,8 +528,6 @@ def train_and_evaluate(
                 skipped_seen = skipped
                 writer.write(step, "train", {**last_train, "skipped_steps": skipped})
                 progress.update(step, loss=f"{last_train['loss']:.4f}")
-            elif step % MAX_QUEUED_STEPS == 0:
-                jax.block_until_ready(step_metrics)
             if analysis.due(step, run.total_steps):
                 analysis.record(step, opt_state, exchange_plan(run, state.abstract_params))
             if step % config.eval_every == 0 or step == run.total_steps:
