@@ -36,6 +36,7 @@ Usage::
     python benchmarks/faults.py --quick          # 2 small runs, results in the workdir
     python benchmarks/faults.py --replay 17      # run 17 of --seed again, logs kept
     python benchmarks/faults.py --configs default_hier --runs 12 --seed 1  # hierarchical
+    python benchmarks/faults.py --from-json      # re-render reliability.md
 
 A campaign over other ``--configs`` is stored beside the others: ``reliability.json``
 holds every campaign under its key (the sorted config names joined by commas) and
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS, ROOT, environment, write_results
+from common import RESULTS, ROOT, environment, read_results, write_markdown, write_results
 
 sys.path.insert(0, str(ROOT))
 
@@ -601,8 +602,6 @@ def section(key: str, payload: dict[str, Any]) -> list[str]:
         f"{payload['wall_s'] / 60:.1f} min). Replay run *i* alone with "
         f"`--seed {args['seed']}{flag} --replay i`.",
         "",
-        f"<!-- prose: {'campaign' if default else 'campaign-' + key.replace(',', '-')} -->",
-        "",
         "| kills tried | landed | resumed | bit-identical | lost | signalled mid-write "
         "| write left uncommitted | steps recomputed (median / max) "
         "| time to resume, s (median / max) |",
@@ -638,6 +637,8 @@ def section(key: str, payload: dict[str, Any]) -> list[str]:
             f"| {max([r['steps_lost'] for r in ok], default=0)} | {_fmt(resume['median'])} |"
         )
     lines += [
+        "",
+        f"<!-- prose: {'campaign' if default else 'campaign-' + key.replace(',', '-')} -->",
         "",
         "Every run (`killed at`: seconds after launch / last logged step, *ended* when the "
         "job had finished before the moment; `from`: the step the resumed job restored; "
@@ -688,7 +689,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(CONFIGS)}; with --quick: {','.join(QUICK)}); more: "
         f"{', '.join(EXTRA_CONFIGS)}",
     )
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="only re-render reliability.md from reliability.json (under --out)",
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        out = args.out or str(RESULTS)
+        write_markdown("reliability", markdown(read_results("reliability", out)), out, echo=False)
+        return 0
     runs = 2 if args.quick and "--runs" not in (argv or sys.argv) else args.runs
     available = QUICK_ALL if args.quick else ALL_CONFIGS
     names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)

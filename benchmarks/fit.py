@@ -389,8 +389,6 @@ def markdown(
         "fastest form that fits (rotor: the fastest plan found). "
         + ("**Quick run: reduced sizes, MiB budgets.**" if quick else ""),
         "",
-        "<!-- prose: about -->",
-        "",
     ]
     chosen = within = 0
     for r in results:
@@ -477,6 +475,7 @@ def markdown(
             )
         lines.append("")
     lines += [f"![largest batch per worker vs budget]({name}.png)", ""]
+    lines += ["<!-- prose: about -->", ""]
     return "\n".join(lines)
 
 

@@ -197,8 +197,6 @@ def markdown(payload: dict[str, Any]) -> str:
         "reduce-scatter, its own part of an all-gather), split by whether the replica "
         "groups stay inside a node. Produced by `python benchmarks/hierarchical.py`.",
         "",
-        "<!-- prose: about -->",
-        "",
     ]
     for variant, rows in payload["bytes"].items():
         flat = rows[0]
@@ -261,6 +259,7 @@ def markdown(payload: dict[str, Any]) -> str:
                     f"{mean:.2f} ± {std:.2f} | {mean - flat:+.2f} |"
                 )
         lines.append("")
+    lines += ["<!-- prose: about -->", ""]
     return "\n".join(lines)
 
 

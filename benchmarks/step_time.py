@@ -12,6 +12,7 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
     python benchmarks/step_time.py --weight-update-order   # the config's variant, the step's
                                                            # default order vs "unordered"
     python benchmarks/step_time.py --backward-order        # streamed vs "free"
+    python benchmarks/step_time.py --from-json [--backward-order]   # re-render the markdown
 
 ``--weight-update-order`` writes ``step_time_order.{json,md}`` instead: the config's variant
 with ``data_parallel_step``'s default ``weight_update_order="last_read"`` (each weight
@@ -28,7 +29,16 @@ import statistics
 import time
 from typing import Any, NamedTuple
 
-from common import NUM_WORKERS, RESULTS, Case, environment, guard_name, write_results
+from common import (
+    NUM_WORKERS,
+    RESULTS,
+    Case,
+    environment,
+    guard_name,
+    read_results,
+    write_markdown,
+    write_results,
+)
 
 CASES: dict[str, Case] = {
     "resnet50": Case(
@@ -236,8 +246,6 @@ def markdown(results: list[dict[str, Any]], compare: Comparison | None = None) -
             "quartiles are over per-repetition ratios. Goal: ratio <= 1.05 (the paper: "
             "<= 1.02 on GPUs).",
             "",
-            "<!-- prose: about -->",
-            "",
             "| model | guard | EF s/step | w+2d s/step | ratio | ratio IQR | repeats x steps |",
             "|---|---|---:|---:|---:|---:|---:|",
         ]
@@ -251,6 +259,8 @@ def markdown(results: list[dict[str, Any]], compare: Comparison | None = None) -
         )
     lines += ["", "Models:", ""]
     lines += [f"* {r['model']}: {r['description']}" for r in results]
+    if compare is None:
+        lines += ["", "<!-- prose: about -->"]
     return "\n".join(lines) + "\n"
 
 
@@ -272,17 +282,25 @@ def main(argv: list[str] | None = None) -> None:
         help='time the streamed backward pass against "free" instead',
     )
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     args = parser.parse_args(argv)
-
-    from resireduce_jax import runtime
-
-    runtime.configure_cpu(NUM_WORKERS)
 
     compare = None
     if args.weight_update_order:
         compare = COMPARISONS["weight_update_order"]
     elif args.backward_order:
         compare = COMPARISONS["backward_order"]
+    name = compare.output if compare else "step_time"
+    if args.from_json:
+        results = read_results(name, args.out)["results"]
+        write_markdown(name, markdown(results, compare), args.out)
+        return
+
+    from resireduce_jax import runtime
+
+    runtime.configure_cpu(NUM_WORKERS)
     results = []
     for name in args.models:
         r = measure(
@@ -301,10 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     payload = environment(num_workers=NUM_WORKERS, results=results)
-    if compare is not None:
-        write_results(compare.output, payload, markdown(results, compare), args.out)
-    else:
-        write_results("step_time", payload, markdown(results), args.out)
+    write_results(name, payload, markdown(results, compare), args.out)
 
 
 if __name__ == "__main__":

@@ -288,3 +288,42 @@ def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
         "  Live ranges at 5 (peak):\n"
     )
     assert peak_memory.temp_packing(str(tmp_path)) == {"allocation": 300, "most_alive": 200}
+
+
+RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
+    ("step_time", [], "step_time.md"),
+    ("step_time", ["--backward-order"], "step_time_backward.md"),
+    ("step_time", ["--weight-update-order"], "step_time_order.md"),
+    ("guard_cost", [], "guard_cost.md"),
+    ("memory_figures", [], "memory_figures.md"),
+    ("peak_memory", [], "peak_memory.md"),
+    ("fit", [], "fit.md"),
+    ("hierarchical", [], "hierarchical.md"),
+    ("faults", [], "reliability.md"),
+    ("accuracy", [], "accuracy.md"),
+    ("accuracy", [], "accuracy_long/accuracy.md"),
+]
+
+
+@pytest.mark.parametrize(("script", "extra", "page"), RENDERED, ids=[r[2] for r in RENDERED])
+def test_committed_results_page_is_what_its_json_renders(script, extra, page, tmp_path):
+    """Each page's tables come from its JSON (``--from-json``), table first, prose after."""
+    import importlib
+    import shutil
+
+    committed = os.path.join(common.RESULTS, page)
+    folder = os.path.dirname(committed)
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(folder, name), tmp_path)
+    module = importlib.import_module(script)
+    if script == "accuracy":
+        module.main(["--from-json", str(tmp_path / "accuracy.json"), "--out", str(tmp_path)])
+    else:
+        module.main(["--from-json", "--out", str(tmp_path), *extra])
+    rendered = (tmp_path / os.path.basename(page)).read_text()
+    with open(committed) as f:
+        assert rendered == f.read()
+    first_table = rendered.index("\n|")
+    first_prose = rendered.find("<!-- prose:")
+    assert first_prose == -1 or first_table < first_prose
