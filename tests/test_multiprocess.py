@@ -6,20 +6,12 @@ on one machine"), each simulating ``num_workers / num_processes`` devices and fe
 own rows of every global batch.
 Ports are picked free, every wait is bounded, and children are killed in ``finally``.
 
-:class:`LocalJob` is also used by ``tests/test_lost_peer.py`` and ``benchmarks/faults.py``.
+Jobs are started by :class:`train.local_job.LocalJob`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -27,12 +19,15 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpointing, train
 from train import metrics as metrics_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STARTUP_TIMEOUT_S = 180  # import, distributed start-up and compilation, on a loaded machine
-RUN_TIMEOUT_S = 300
+from train import train
+from train.local_job import (
+    DIGEST,
+    RESUMED,
+    STOPPED,
+    LocalJob,
+    committed_steps,
+)
 
 # The job every test runs (a short version of configs/default.py on 4 workers).
 JOB = {
@@ -44,9 +39,6 @@ JOB = {
     "checkpoint_every": 6,  # not a multiple of train.STOP_SYNC_EVERY (where SIGTERM stops)
     "keep_checkpoints": 10,
 }
-DIGEST = re.compile(r"Process (\d+): params sha256 ([0-9a-f]{64})")
-STOPPED = re.compile(r"Stopping: checkpointed step (\d+)\.")
-RESUMED = re.compile(r"Resumed from checkpoint at step (\d+)")
 
 # Runs the training program with NaN written into one image of global batch `step`, in
 # global row `row` (so only the worker and the process holding that row see it).
@@ -73,143 +65,6 @@ main.cli()
 """
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalJob:
-    """``num_processes`` processes of the training program on 127.0.0.1, as one job.
-
-    Use as a context manager: leaving the block kills every process still running.
-    Output of process ``i`` goes to ``<workdir>.run<n>.p<i>.log`` (``n``: the how-manyth
-    job in this workdir). ``config`` is relative to the repository root.
-    """
-
-    def __init__(
-        self,
-        workdir: str,
-        num_processes: int,
-        overrides: dict[str, Any],
-        flags: Sequence[str] = (),
-        *,
-        program: Sequence[str] = ("-m", "train"),
-        config: str = "configs/default.py",
-    ):
-        self.workdir = str(workdir)
-        self.num_processes = num_processes
-        self.procs: list[subprocess.Popen] = []
-        launch = 0  # jobs resumed in the same workdir get their own logs
-        while os.path.exists(f"{self.workdir}.run{launch}.p0.log"):
-            launch += 1
-        self.log_paths = [f"{self.workdir}.run{launch}.p{i}.log" for i in range(num_processes)]
-        port = free_port()
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-        env.pop("XLA_FLAGS", None)  # the program sets its own (num_workers / processes)
-        args = [f"--config={config}", f"--workdir={self.workdir}"]
-        args += [f"--config.{k}={v}" for k, v in overrides.items()]
-        args += list(flags)
-        try:
-            for i in range(num_processes):
-                multi = []
-                if num_processes > 1:
-                    multi = [
-                        f"--coordinator_address=127.0.0.1:{port}",
-                        f"--num_processes={num_processes}",
-                        f"--process_id={i}",
-                    ]
-                with open(self.log_paths[i], "wb") as log:
-                    self.procs.append(
-                        subprocess.Popen(
-                            [sys.executable, *program, *args, *multi],
-                            cwd=ROOT,
-                            env=env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
-        except BaseException:
-            self.kill()
-            raise
-
-    def __enter__(self) -> LocalJob:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILLs every process of this job that is still running, and reaps it."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait(timeout=30)  # SIGKILL cannot be ignored
-
-    def send(self, sig: int, processes: Sequence[int] | None = None) -> None:
-        for i, p in enumerate(self.procs):
-            if (processes is None or i in processes) and p.poll() is None:
-                p.send_signal(sig)
-
-    def last_step(self) -> int:
-        """The newest training step process 0 has logged (0 if none)."""
-        path = os.path.join(self.workdir, "metrics.jsonl")
-        if not os.path.exists(path):
-            return 0
-        step = 0
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line being written
-                    continue
-                if record.get("split") == "train":
-                    step = max(step, int(record["step"]))
-        return step
-
-    def wait_for_step(self, step: int, timeout: float = STARTUP_TIMEOUT_S) -> int:
-        """Blocks until metrics show ``step`` (returns the step seen); fails on exit/timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            seen = self.last_step()
-            if seen >= step:
-                return seen
-            if any(p.poll() is not None for p in self.procs):
-                raise AssertionError(
-                    f"A process exited before step {step}:\n{self.output(0)[-3000:]}"
-                )
-            time.sleep(0.02)
-        raise AssertionError(f"No step {step} after {timeout} s:\n{self.output(0)[-3000:]}")
-
-    def wait(self, timeout: float = RUN_TIMEOUT_S, processes: Sequence[int] | None = None):
-        """Exit codes of the given processes (all by default); fails if one outlives ``timeout``."""
-        deadline = time.monotonic() + timeout
-        codes = []
-        for i, p in enumerate(self.procs):
-            if processes is not None and i not in processes:
-                continue
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(
-                    f"Process {i} still running after {timeout} s (hang):\n{self.output(i)[-3000:]}"
-                ) from None
-        return codes
-
-    def output(self, i: int) -> str:
-        with open(self.log_paths[i], errors="replace") as f:
-            return f.read()
-
-    def digests(self) -> dict[int, str]:
-        found = {}
-        for i in range(self.num_processes):
-            for pid, digest in DIGEST.findall(self.output(i)):
-                found[int(pid)] = digest
-        return found
-
-
 def run_to_completion(workdir, num_processes, overrides=JOB, flags=()) -> LocalJob:
     """Runs a job to its end; asserts that every process exits 0 with the same digest."""
     with LocalJob(workdir, num_processes, overrides, flags) as job:
@@ -219,17 +74,6 @@ def run_to_completion(workdir, num_processes, overrides=JOB, flags=()) -> LocalJ
     assert sorted(digests) == list(range(num_processes)), digests
     assert len(set(digests.values())) == 1, digests
     return job
-
-
-def committed_steps(workdir: str) -> list[int]:
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(
-        int(name)
-        for name in os.listdir(directory)
-        if name.isdigit() and checkpointing.is_committed(os.path.join(directory, name))
-    )
 
 
 def config_for(overrides: dict[str, Any]):
