@@ -267,6 +267,9 @@ def run(argv) -> None:
 
     runtime.configure_cpu(
         num_devices=config.num_workers // setup.num_processes,
+        # As one process driving every worker would: the same local rounding in every
+        # process layout (docs/design.md, "Process layouts and bitwise results").
+        intra_op_threads=runtime.default_intra_op_threads(config.num_workers),
         collective_timeout_s=FLAGS.collective_timeout_s,
     )
     # Our own messages are printed; keep library chatter (orbax logs every write,
