@@ -105,7 +105,9 @@ def measure_bytes(variant: str) -> list[dict[str, Any]]:
 
 
 def measure_time(variant: str, *, repeats: int, steps: int) -> list[dict[str, Any]]:
-    runners = {name: Runner(CASE, variant, True, _config(local)) for name, local in _layouts()}
+    runners = {
+        name: Runner.of_variant(CASE, variant, True, _config(local)) for name, local in _layouts()
+    }
     for r in runners.values():
         r.run(2)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in runners}

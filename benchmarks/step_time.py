@@ -116,19 +116,21 @@ def _batch(model_config, rows: int, seq_len: int, seed: int):
 
 
 class Runner:
-    """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps.
+    """The initialized state and jitted step of ``task`` trained with ``config`` on
+    ``NUM_WORKERS`` CPU workers, on one synthetic batch; ``run(n)`` times ``n`` steps.
 
-    ``config``: the case's config with other settings (default ``case.load()``).
-    ``options``: arguments of the step (``data_parallel_step``'s ``weight_update_order``,
-    ``backward_order``).
+    ``guard``: the default non-finite guard, or none. ``options``: arguments of the step
+    (``data_parallel_step``'s ``weight_update_order``, ``backward_order``).
     """
 
     def __init__(
         self,
-        case: Case,
-        variant: str,
-        guard: bool,
-        config=None,
+        task,
+        config,
+        batch_per_worker: int,
+        seq_len: int = 0,
+        *,
+        guard: bool = True,
         options: dict[str, str] | None = None,
     ):
         import jax
@@ -136,14 +138,11 @@ class Runner:
         import resireduce_jax as rr
         from train import compiled_step
 
-        config = compiled_step.with_variant(config or case.load(), variant)
-        task = compiled_step.build_task(config)
-        model_config = task.model_config
         mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
         self.step = compiled_step.build_step(task, tx, mesh, **(options or {}))
-        batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
-        per_worker = {k: v[: case.batch_per_worker] for k, v in batch.items()}
+        batch = _batch(task.model_config, NUM_WORKERS * batch_per_worker, seq_len, seed=0)
+        per_worker = {k: v[:batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
         params = variables.pop("params")
         self.model_state = rr.parallel.replicated(variables, mesh)
@@ -152,6 +151,23 @@ class Runner:
         self.key = jax.random.PRNGKey(1)
         self.count = 0
         self.loss = float("nan")
+
+    @classmethod
+    def of_variant(
+        cls,
+        case: Case,
+        variant: str,
+        guard: bool,
+        config=None,
+        options: dict[str, str] | None = None,
+    ) -> Runner:
+        """A case's model with residual ``variant`` (``config``: the case's config with
+        other settings, default ``case.load()``)."""
+        from train import compiled_step
+
+        config = compiled_step.with_variant(config or case.load(), variant)
+        task = compiled_step.build_task(config)
+        return cls(task, config, case.batch_per_worker, case.seq_len, guard=guard, options=options)
 
     def run(self, steps: int) -> float:
         import jax
@@ -191,7 +207,8 @@ def measure(
     labels = tuple(runs)
     start = time.perf_counter()
     runners = {
-        label: Runner(case, v, guard, options=options) for label, (v, options) in runs.items()
+        label: Runner.of_variant(case, v, guard, options=options)
+        for label, (v, options) in runs.items()
     }
     for runner in runners.values():  # compile, then warm up
         runner.run(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -36,6 +37,44 @@ ENTRY %main.1 (param.1: f32[4,8], param.2: f32[16]) -> (f32[4,8], f32[4,8], f32[
   ROOT %tuple.5 = (f32[4,8]{0,1}, f32[4,8]{1,0}, f32[16]{0}) tuple(%copy.1, %fusion.4, %copy.2)
 }
 """
+
+
+# Imports every benchmark module, then every module any benchmark imports anywhere (at the
+# top or inside a function), with the packages of the test extras blocked.
+_IMPORT_WITHOUT_TEST_TOOLS = """
+import ast, importlib, pathlib, sys
+for name in ("pytest", "hypothesis", "tests", "tensorflow_datasets"):
+    sys.modules[name] = None  # `import name` now raises ImportError
+benchmarks = pathlib.Path("benchmarks")
+sys.path.insert(0, str(benchmarks))
+imported = set()
+for path in sorted(benchmarks.glob("*.py")):
+    importlib.import_module(path.stem)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module)
+for name in sorted(imported):
+    importlib.import_module(name)
+print(len(imported), "modules")
+"""
+
+
+def test_benchmarks_need_no_test_tools():
+    """pyproject: the benchmarks run with the ``[train]`` extra alone (no pytest, hypothesis,
+    tests/ or the ``[tfds]`` extra)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WITHOUT_TEST_TOOLS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "modules" in done.stdout
 
 
 def test_copies_tell_layout_transposes_from_real_copies():

@@ -52,7 +52,14 @@ from train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate", "worker_axes"]
+__all__ = [
+    "Preempted",
+    "RunSummary",
+    "build_run",
+    "check_config",
+    "train_and_evaluate",
+    "worker_axes",
+]
 
 AXIS = "data"
 # Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather), so
@@ -112,6 +119,22 @@ class Run:
 def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:
     """``"data"``, or ``("data", "local")`` for a hierarchical run (``local_devices``)."""
     return compiled_step.worker_axes(config)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises for any mistake in ``config`` that shows without data or compilation.
+
+    Names and ranges (:func:`train.config_schema.validate`, with the known models and
+    datasets), then the optax chain is built (no arrays): the compressor, the optimizer
+    and their arguments. :func:`train_and_evaluate` calls it before it creates the workdir.
+
+    Raises:
+      ConfigError, ValueError: naming the key, the bad value and the valid choices.
+    """
+    config_schema.validate(
+        config, known_models=models.MODELS, known_datasets=input_pipeline.DATASETS
+    )
+    factory.build_tx(config, steps_per_epoch=1.0, total_steps=1)
 
 
 def build_run(
@@ -425,6 +448,7 @@ def train_and_evaluate(
       A :class:`RunSummary` with the final step, last eval and train metrics, the number
       of skipped (non-finite) steps, whether SIGTERM stopped the run, and the memory report.
     """
+    check_config(config)  # before anything is written to the workdir
     remat = None
     if config.memory.budget is not None:  # the fastest configuration that fits, first
         config, remat = memory_plan.plan_for_training(config, workdir)
