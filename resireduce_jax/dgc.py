@@ -65,6 +65,7 @@ per-worker compressor state) get a leading worker axis sharded on the data axis 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -75,6 +76,7 @@ import optax
 from jax import lax
 
 from resireduce_jax import nonfinite
+from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import (
     Compressor,
     axis_size,
@@ -155,6 +157,22 @@ def _check_clip_norm(clip_norm: Any) -> float | None:
 
 def _check_sparse(compressor: Any) -> Compressor:
     compressor = check_compressor(compressor)
+    phases = schedule.phases(compressor)
+    if len(phases) > 1:
+        if not isinstance(compressor, _SPARSE):
+            raise ValueError(
+                "dgc_memory takes a sparsifier with a density schedule, not Phased "
+                "compressors: every phase must be sparse."
+            )
+        if any(not isinstance(p.compressor, _SPARSE) for p in phases):
+            raise ValueError(
+                f"dgc_memory's density schedule {getattr(compressor, compressor.density_field)} "
+                "has a phase of density 1 (uncompressed): momentum factor masking would "
+                "clear the momentum at every position every step, leaving SGD without "
+                "momentum. Start the schedule below 1 (DGC's warm-up starts at 0.25: "
+                "compressors.dgc_warmup)."
+            )
+        return compressor
     if not isinstance(compressor, _SPARSE):
         raise ValueError(
             f"dgc_memory needs a sparsifying compressor (topk, fast_topk, randomk, threshold "
@@ -192,6 +210,11 @@ class _DGCMemory:
     min_size: int
     seed: int
 
+    @functools.cached_property
+    def phases(self) -> tuple[schedule.Phase, ...]:
+        """The compressor's phases (one per density of its schedule), all sparse."""
+        return schedule.phases(self.compressor)
+
     def compressed(self, tree: PyTree) -> list[bool]:
         return [is_compressible(x, self.min_size) for x in jax.tree.leaves(tree)]
 
@@ -204,11 +227,12 @@ class _DGCMemory:
         for path, x, sparse in zip(paths, leaves, self.compressed(params), strict=True):
             like = jax.ShapeDtypeStruct(np.shape(x), x.dtype)
             if sparse:
-                self.compressor.validate(path, like)
+                for phase in self.phases:
+                    phase.compressor.validate(path, like)
                 us.append(jnp.zeros(like.shape, like.dtype))
                 vs.append(jnp.zeros(like.shape, like.dtype))
                 dense.append(masked)
-                cstates.append(self.compressor.init(like))
+                cstates.append(self.phases[0].compressor.init(like))
             else:
                 us.append(masked)
                 vs.append(masked)
@@ -246,6 +270,7 @@ class _DGCMemory:
         cstates = treedef.flatten_up_to(state.compressor_state)
         m = self.momentum
 
+        phase = schedule.phase_index([p.start for p in self.phases], state.count)
         factor = None
         if self.clip_norm is not None:  # §3.2: local threshold c / sqrt(N)
             local_threshold = self.clip_norm / math.sqrt(axis_size(self.axis_name))
@@ -264,24 +289,32 @@ class _DGCMemory:
             # Momentum correction (§3.2): accumulate velocity, not gradient.
             u = _where(skip, us[i], m * us[i] + g)
             v = _where(skip, vs[i], vs[i] + u)
-            key = leaf_key(self.seed, state.count, i, self.compressor, self.axis_name)
-            like = jax.ShapeDtypeStruct(v.shape, v.dtype)
-            payload, cstate = self.compressor.compress(v, cstates[i], key)
-            if not isinstance(payload, SparsePayload):  # guarded by _check_sparse
-                raise TypeError(f"{self.compressor.name} did not produce a sparse payload.")
-            mean = self.compressor.aggregate(payload, like, self.axis_name)
-            # Momentum factor masking (§3.3): zero v and u where sent. For v this is the
-            # compressors' residual hook, v - D(P): the payload values are v's own entries,
-            # so sent entries become exactly 0; subtracting them (rather than writing
-            # zeros) orders the in-place write after compression read v, as in
-            # Compressor.reduce (measured: one copy of v per leaf otherwise). On a skipped
-            # step the hook returns v unchanged and nothing is masked in u.
-            v, payload = lax.optimization_barrier((v, payload))
-            new_vs[i] = self.compressor.residual(v, payload, skip)
-            sent = payload.indices
-            if skip is not None:  # out-of-range indices are dropped
-                sent = jnp.where(skip, jnp.int32(v.size), sent)
-            new_us[i] = _zero_at(u, sent)
+
+            def send(compressor, u, v, cstate, i=i):
+                key = leaf_key(self.seed, state.count, i, compressor, self.axis_name)
+                like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+                payload, cstate = compressor.compress(v, cstate, key)
+                if not isinstance(payload, SparsePayload):  # guarded by _check_sparse
+                    raise TypeError(f"{compressor.name} did not produce a sparse payload.")
+                mean = compressor.aggregate(payload, like, self.axis_name)
+                # Momentum factor masking (§3.3): zero v and u where sent. For v this is
+                # the compressors' residual hook, v - D(P): the payload values are v's own
+                # entries, so sent entries become exactly 0; subtracting them (rather than
+                # writing zeros) orders the in-place write after compression read v, as in
+                # Compressor.reduce (measured: one copy of v per leaf otherwise). On a
+                # skipped step the hook returns v unchanged and nothing is masked in u.
+                v, payload = lax.optimization_barrier((v, payload))
+                v = compressor.residual(v, payload, skip)
+                sent = payload.indices
+                if skip is not None:  # out-of-range indices are dropped
+                    sent = jnp.where(skip, jnp.int32(v.size), sent)
+                return mean, _zero_at(u, sent), v, cstate
+
+            if len(self.phases) == 1:
+                mean, new_us[i], new_vs[i], cstate = send(self.compressor, u, v, cstates[i])
+            else:  # one static-size branch per phase of the density schedule
+                branches = [functools.partial(send, p.compressor) for p in self.phases]
+                mean, new_us[i], new_vs[i], cstate = lax.switch(phase, branches, u, v, cstates[i])
             new_cstates[i] = _where(skip, cstates[i], cstate)
             out.append(_where(skip, jnp.zeros((), mean.dtype), mean))
 
@@ -331,7 +364,9 @@ def dgc_memory(
 
     Args:
       compressor: a sparsifying compressor (``topk``, ``fast_topk``, ``randomk`` unscaled,
-        ``threshold`` or ``dgc``) from :mod:`resireduce_jax.compressors`.
+        ``threshold`` or ``dgc``) from :mod:`resireduce_jax.compressors`, with a float
+        density or a density schedule whose phases are all below 1 (a dense phase would
+        mask the whole momentum every step).
       momentum: DGC's momentum factor ``m`` in [0, 1) (paper: 0.9); 0 is DGC without
         momentum correction (then ``u = g`` and this is error feedback with masking).
       clip_norm: the global gradient-norm threshold ``c``, or ``None`` for no clipping.
@@ -379,8 +414,8 @@ def deep_gradient_compression(
     :func:`resireduce_jax.optimizers.sgd` (skip-aware), so the chain can be wrapped in
     :func:`resireduce_jax.skip_nonfinite` without copying any state. Arguments as in
     :func:`dgc_memory`; ``learning_rate`` is a float or an optax schedule. Warm-up
-    training (§3.3: exponentially increasing sparsity) is a matter of the compressor's
-    density and is not built in.
+    training (§3.4: exponentially increasing sparsity) is the compressor's density
+    schedule: ``compressors.topk(compressors.dgc_warmup(0.001, steps_per_epoch))``.
     """
     return optax.chain(
         dgc_memory(compressor, momentum, clip_norm, axis_name, min_size=min_size, seed=seed),

@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
+from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import (
     Compressor,
     axis_size,
@@ -82,6 +83,7 @@ __all__ = [
     "ExchangePlan",
     "ExchangeState",
     "ExchangeTransformation",
+    "dense_bytes",
     "exchange",
     "exchange_states",
     "leaf_key",
@@ -162,8 +164,21 @@ class ExchangeTransformation(optax.GradientTransformationExtraArgs):
     def plan(self, params: PyTree, *, local_size: int | None = None) -> ExchangePlan:
         """The residual plan; ``local_size``: the local axis size of a hierarchical
         transform (read from the mesh when called inside ``shard_map``)."""
-        core = self.init.__self__  # ``init`` is a bound method of _Exchange
-        return core.plan(params, local_size=local_size)
+        return self._core.plan(params, local_size=local_size)
+
+    def bytes_sent(self, params: PyTree, steps: int, *, local_size: int | None = None) -> int:
+        """Payload bytes one worker sends in the first ``steps`` exchanges.
+
+        Exact, from the compressors' ``payload_bytes``: every compressed leaf at the size
+        of its density-schedule phase at each step, every dense leaf all-reduced in its
+        own dtype. Hierarchical (``local_size > 1``): what one device sends across nodes,
+        its shard's payload (the dense exchange inside a node is not counted).
+        """
+        return self._core.bytes_sent(params, steps, local_size=local_size)
+
+    @property
+    def _core(self):
+        return self.init.__self__  # ``init`` is a bound method of the core
 
 
 def leaf_key(
@@ -240,6 +255,11 @@ class _Exchange:
     name: str
     local_axis: str | None = None
 
+    @functools.cached_property
+    def phases(self) -> tuple[schedule.Phase, ...]:
+        """The compressor's phases: one per density of its schedule, or just itself."""
+        return schedule.phases(self.compressor)
+
     @property
     def worker_axes(self) -> AxisName:
         """Every axis the workers are mapped over (``data`` and, if set, ``local``)."""
@@ -284,6 +304,19 @@ class _Exchange:
         dense = tuple(i for i in range(len(paths)) if i not in members)
         return ExchangePlan(paths=paths, stores=store_plans, dense=dense)
 
+    def bytes_sent(self, params: PyTree, steps: int, *, local_size: int | None = None) -> int:
+        plan = self.plan(params, local_size=local_size)
+        leaves = jax.tree.leaves(params)
+        total = 0
+        for store in plan.stores:
+            for i in store.group.members:
+                total += schedule.bytes_sent(
+                    self.compressor, store.group.shape, leaves[i].dtype, steps
+                )
+        for i in plan.dense:
+            total += steps * dense_bytes(leaves[i])
+        return int(total)
+
     # ------------------------------------------------------------------------ init
 
     def init(self, params: PyTree) -> ExchangeState:
@@ -294,13 +327,29 @@ class _Exchange:
         for store in plan.stores:
             for i in store.group.members:
                 like = jax.ShapeDtypeStruct(store.group.shape, leaves[i].dtype)  # a shard's
-                self.compressor.validate(plan.paths[i], like)
-                cstates[i] = self.compressor.init(like)
+                for phase in self.phases:
+                    phase.compressor.validate(plan.paths[i], like)
+                cstates[i] = self._init_compressor_state(plan.paths[i], like)
         return ExchangeState(
             count=jnp.zeros([], jnp.int32),
             residuals={p.group.label: stores.init_store(p) for p in plan.kept},
             compressor_state=treedef.unflatten(cstates),
         )
+
+    def _init_compressor_state(self, path: str, like: jax.ShapeDtypeStruct) -> Any:
+        """The per-leaf compressor state, which every phase of a schedule must share."""
+        first = self.phases[0].compressor.init(like)
+        for phase in self.phases[1:]:
+            if jax.eval_shape(lambda c=phase.compressor: c.init(like)) != jax.eval_shape(
+                lambda: first
+            ):
+                raise ValueError(
+                    f"Leaf '{path}': the phases of {self.compressor.name}'s density schedule "
+                    "keep differently shaped compressor states, so one program cannot switch "
+                    "between them. Use a compressor whose state does not depend on the "
+                    "density (topk, fast_topk, randomk, threshold, dgc)."
+                )
+        return first
 
     # ---------------------------------------------------------------------- update
 
@@ -329,17 +378,28 @@ class _Exchange:
         for i, shard in shards.items():
             leaves[i] = _node_mean_shard(shard, leaves[i])
 
+        phase = schedule.phase_index([p.start for p in self.phases], state.count)
+
         def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
             """Exchanges leaf ``i``'s compensated ``x``; returns this worker's residual."""
             shard = shards.get(i)
-            key = leaf_key(
-                self.seed, state.count, i, self.compressor, payload_axes, shard and shard.axis_name
-            )
-            reduced = self.compressor.reduce(x, cstates[i], key, payload_axes, skip=residual_skip)
-            mean = reduced.mean if shard is None else _gather_shards(shard, reduced.mean)
+
+            def reduce_with(compressor: Compressor, x, cstate) -> tuple[Any, Any, Any]:
+                key = leaf_key(
+                    self.seed, state.count, i, compressor, payload_axes, shard and shard.axis_name
+                )
+                reduced = compressor.reduce(x, cstate, key, payload_axes, skip=residual_skip)
+                return reduced.mean, reduced.residual, reduced.state
+
+            if len(self.phases) == 1:
+                mean, residual, cstate = reduce_with(self.compressor, x, cstates[i])
+            else:  # one static-size branch per phase of the density schedule
+                branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
+                mean, residual, cstate = lax.switch(phase, branches, x, cstates[i])
+            mean = mean if shard is None else _gather_shards(shard, mean)
             out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
-            new_cstates[i] = _where_skip(skip, cstates[i], reduced.state)
-            return reduced.residual
+            new_cstates[i] = _where_skip(skip, cstates[i], cstate)
+            return residual
 
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
         for store in plan.stores:
@@ -447,6 +507,14 @@ def exchange(
             )
     core = _Exchange(compressor, axis_name, planner, min_size, seed, name, local_axis)
     return ExchangeTransformation(core.init, core.update)
+
+
+def dense_bytes(params: PyTree) -> int:
+    """Bytes one worker sends per step when every leaf of ``params`` is all-reduced
+    uncompressed in its own dtype (the baseline of :meth:`ExchangeTransformation.bytes_sent`)."""
+    return sum(
+        int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)
+    )
 
 
 def singleton_stores(params: PyTree, min_size: int, kind: str) -> list[stores.StorePlan]:

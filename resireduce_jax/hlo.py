@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "Collective",
     "PeakMemory",
+    "branch_collectives",
     "collectives",
     "copies",
     "peak_memory",
@@ -138,6 +139,69 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
             )
         )
     return found
+
+
+# "%name (params) -> type {" opens a computation; "ENTRY %main ..." the entry one.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_CALLED_LIST = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
+_CONDITIONAL = re.compile(r"\sconditional\(")
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """``{computation name: its instruction lines}`` of an HLO module's text."""
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMPUTATION.match(line)
+            if m and "=" not in line.split("{", 1)[0].split("->", 1)[0].split("(", 1)[0]:
+                current = m.group("name")
+                found[current] = []
+        elif line.strip() == "}":
+            current = None
+        else:
+            found[current].append(line)
+    return found
+
+
+def _called(line: str) -> list[str]:
+    names = _CALLED.findall(line)
+    for group in _CALLED_LIST.findall(line):
+        names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+    return names
+
+
+def branch_collectives(compiled_or_text: Any) -> list[list[list[Collective]]]:
+    """The collectives of every ``conditional`` of a compiled program, branch by branch.
+
+    One entry per conditional instruction (in program text order), holding one list per
+    branch (``lax.switch`` order) of the collectives that branch runs, including those
+    of the computations it calls (loops, fusions, nested calls). A density schedule's
+    phases are such branches (:mod:`resireduce_jax.compressors.schedule`).
+    """
+    comps = _computations(_text(compiled_or_text))
+    own = {name: collectives("\n".join(lines)) for name, lines in comps.items()}
+
+    def reachable(name: str, seen: set[str]) -> list[Collective]:
+        if name in seen or name not in comps:
+            return []
+        seen.add(name)
+        out = list(own[name])
+        for line in comps[name]:
+            for callee in _called(line):
+                out += reachable(callee, seen)
+        return out
+
+    result = []
+    for lines in comps.values():
+        for line in lines:
+            if _CONDITIONAL.search(line):
+                branches = [
+                    n.strip().lstrip("%") for g in _CALLED_LIST.findall(line) for n in g.split(",")
+                ]
+                result.append([reachable(b, set()) for b in branches if b])
+    return result
 
 
 def copies(compiled_or_text: Any, min_bytes: int = 0) -> list[tuple[str, int]]:

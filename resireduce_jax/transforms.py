@@ -28,6 +28,7 @@ import functools
 from typing import Any
 
 from resireduce_jax.compressors.base import Compressor
+from resireduce_jax.compressors.schedule import Phased
 from resireduce_jax.exchange import (
     DEFAULT_MIN_SIZE,
     AxisName,
@@ -52,9 +53,10 @@ def check_min_size(min_size: Any) -> int:
     return min_size
 
 
-def check_compressor(compressor: Any) -> Compressor:
-    """Validates that ``compressor`` is one of :mod:`resireduce_jax.compressors`."""
-    if not isinstance(compressor, Compressor):
+def check_compressor(compressor: Any) -> Compressor | Phased:
+    """Validates that ``compressor`` is one of :mod:`resireduce_jax.compressors` (or
+    :class:`~resireduce_jax.compressors.schedule.Phased` compressors)."""
+    if not isinstance(compressor, Compressor | Phased):
         raise ValueError(
             f"Expected a compressor from resireduce_jax.compressors (e.g. topk(0.01)), got "
             f"{compressor!r}."

@@ -4,12 +4,18 @@ Each factory returns a :class:`~resireduce_jax.compressors.base.Compressor`; pas
 :func:`resireduce_jax.compressed_mean`, :func:`resireduce_jax.error_feedback` or
 :func:`resireduce_jax.resireduce`. :func:`get` builds one from a name and keyword
 arguments (what configs use).
+
+Sparsifiers (``topk``, ``fast_topk``, ``randomk``, ``threshold``, ``dgc``) take a float
+density or a :class:`~resireduce_jax.compressors.schedule.DensitySchedule`
+(``dense_warmup(100, 0.01)``, ``dgc_warmup(0.01, 200)``, ``piecewise({0: 0.1, 500:
+0.01})``): see :mod:`resireduce_jax.compressors.schedule`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import Compressor, Reduced
 from resireduce_jax.compressors.dense import Cast, NoCompression
 from resireduce_jax.compressors.lowrank import LowRankPayload, PowerSGD
@@ -20,6 +26,12 @@ from resireduce_jax.compressors.quantize import (
     QuantizedPayload,
     TernaryPayload,
     TernGrad,
+)
+from resireduce_jax.compressors.schedule import (
+    DensitySchedule,
+    dense_warmup,
+    dgc_warmup,
+    piecewise,
 )
 from resireduce_jax.compressors.sign import (
     EFSignSGD,
@@ -54,18 +66,21 @@ def bf16() -> Cast:
     return Cast("bfloat16")
 
 
-def topk(density: float = 0.01) -> TopK:
+Density = float | DensitySchedule
+
+
+def topk(density: Density = 0.01) -> TopK:
     """Exact Top-k on |x| with ``k = max(1, floor(density * n))``. Biased: use EF."""
     return TopK(density)
 
 
-def randomk(density: float = 0.01, scaled: bool = False) -> RandomK:
+def randomk(density: Density = 0.01, scaled: bool = False) -> RandomK:
     """Random-k with indices shared by all workers; unbiased iff ``scaled``."""
     return RandomK(density, scaled)
 
 
 def fast_topk(
-    density: float = 0.01,
+    density: Density = 0.01,
     sample_ratio: float = 0.01,
     margin: float = 4.0,
     exact_below: int = 1 << 18,
@@ -76,13 +91,13 @@ def fast_topk(
     return FastTopK(density, sample_ratio, margin, exact_below, seed)
 
 
-def threshold(tau: float, max_density: float = 0.01) -> Threshold:
+def threshold(tau: float, max_density: Density = 0.01) -> Threshold:
     """Sends entries with ``|x| >= tau``, at most ``max_density * n`` of them. Biased."""
     return Threshold(tau, max_density)
 
 
 def dgc(
-    density: float = 0.01, sample_ratio: float = 0.01, rounds: int = 4, tolerance: float = 0.25
+    density: Density = 0.01, sample_ratio: float = 0.01, rounds: int = 4, tolerance: float = 0.25
 ) -> DGC:
     """Deep Gradient Compression's sampled-threshold selection of ``density * n`` entries."""
     return DGC(density, sample_ratio, rounds, tolerance)
@@ -164,6 +179,7 @@ __all__ = [
     "REGISTRY",
     "Cast",
     "Compressor",
+    "DensitySchedule",
     "EFSignSGD",
     "FastTopK",
     "LowRankPayload",
@@ -185,7 +201,9 @@ __all__ = [
     "Threshold",
     "TopK",
     "bf16",
+    "dense_warmup",
     "dgc",
+    "dgc_warmup",
     "efsignsgd",
     "fast_topk",
     "fp16",
@@ -193,9 +211,11 @@ __all__ = [
     "natural",
     "none",
     "onebit",
+    "piecewise",
     "powersgd",
     "qsgd",
     "randomk",
+    "schedule",
     "signsgd",
     "signum",
     "terngrad",

@@ -30,6 +30,7 @@ from jax import lax
 
 from resireduce_jax import in_place
 from resireduce_jax.compressors.base import Compressor, check_int, dense_mean, sparse_mean
+from resireduce_jax.compressors.schedule import DensitySchedule, as_density
 
 __all__ = [
     "DGC",
@@ -81,10 +82,34 @@ def _add_on_support(x: jax.Array, indices: jax.Array, values: jax.Array) -> jax.
 
 
 class _SparseBase(Compressor):
-    """Shared decompress / residual / bytes of the values-plus-indices payload."""
+    """Shared decompress / residual / bytes of the values-plus-indices payload.
+
+    The field named by ``density_field`` takes a float or a
+    :class:`~resireduce_jax.compressors.schedule.DensitySchedule`; a compressor with a
+    schedule describes its phases (:func:`~resireduce_jax.compressors.schedule.phases`),
+    which the exchange transforms run, and cannot compress by itself.
+    """
+
+    density_field: ClassVar[str] = "density"
+
+    def __post_init__(self):
+        field = self.density_field
+        object.__setattr__(self, field, as_density(getattr(self, field), field))
+
+    def _density(self) -> float:
+        value = getattr(self, self.density_field)
+        if isinstance(value, DensitySchedule):
+            raise ValueError(
+                f"This {self.name} compressor's {self.density_field} is a schedule "
+                f"({value}): only the exchange transforms (compressed_mean, error_feedback, "
+                "resireduce, dgc_memory, compressed_momentum_adam) run it, one phase at a "
+                "time; use compressors.schedule.phases(compressor) to get each phase's "
+                "compressor."
+            )
+        return value
 
     def k(self, n: int) -> int:
-        raise NotImplementedError
+        return num_selected(n, self._density())
 
     def decompress(self, payload: SparsePayload, like):
         n = math.prod(like.shape)
@@ -134,15 +159,9 @@ class TopK(_SparseBase):
       density: fraction of entries sent, in (0, 1].
     """
 
-    density: float = 0.01
+    density: float | DensitySchedule = 0.01
     name: ClassVar[str] = "topk"
     biased: ClassVar[bool] = True
-
-    def __post_init__(self):
-        object.__setattr__(self, "density", check_density(self.density))
-
-    def k(self, n: int) -> int:
-        return num_selected(n, self.density)
 
     def compress(self, x, state, key):
         del key
@@ -189,20 +208,14 @@ class RandomK(_SparseBase):
       scaled: rescale sent values to make the estimator unbiased.
     """
 
-    density: float = 0.01
+    density: float | DensitySchedule = 0.01
     scaled: bool = False
     name: ClassVar[str] = "randomk"
     randomness: ClassVar[str] = "shared"
 
-    def __post_init__(self):
-        object.__setattr__(self, "density", check_density(self.density))
-
     @property
     def biased(self) -> bool:  # type: ignore[override]
         return not self.scaled
-
-    def k(self, n: int) -> int:
-        return num_selected(n, self.density)
 
     def _strata(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         k = self.k(n)
@@ -339,7 +352,7 @@ class FastTopK(_SparseBase):
       seed: seed of the fixed sample offsets (the same on every worker and step).
     """
 
-    density: float = 0.01
+    density: float | DensitySchedule = 0.01
     sample_ratio: float = 0.01
     margin: float = 4.0
     exact_below: int = 1 << 18
@@ -350,14 +363,11 @@ class FastTopK(_SparseBase):
     MIN_SAMPLE: ClassVar[int] = 16384
 
     def __post_init__(self):
-        object.__setattr__(self, "density", check_density(self.density))
+        super().__post_init__()
         object.__setattr__(self, "sample_ratio", check_density(self.sample_ratio, "sample_ratio"))
         object.__setattr__(self, "margin", _check_fraction_above_zero(self.margin, "margin"))
         object.__setattr__(self, "exact_below", check_int(self.exact_below, "exact_below", 0))
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
-
-    def k(self, n: int) -> int:
-        return num_selected(n, self.density)
 
     def plan(self, n: int) -> _TwoLevelPlan | None:
         """The static sizes of the selection for ``n`` entries; ``None`` means exact top-k."""
@@ -439,16 +449,14 @@ class Threshold(_SparseBase):
     """
 
     tau: float = 1e-3
-    max_density: float = 0.01
+    max_density: float | DensitySchedule = 0.01
     name: ClassVar[str] = "threshold"
     biased: ClassVar[bool] = True
+    density_field: ClassVar[str] = "max_density"
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "tau", _check_fraction_above_zero(self.tau, "tau"))
-        object.__setattr__(self, "max_density", check_density(self.max_density, "max_density"))
-
-    def k(self, n: int) -> int:
-        return num_selected(n, self.max_density)
 
     def compress(self, x, state, key):
         del key
@@ -494,7 +502,7 @@ class DGC(_SparseBase):
       tolerance: slack of the candidate capacity above ``k``, ``> 0``.
     """
 
-    density: float = 0.01
+    density: float | DensitySchedule = 0.01
     sample_ratio: float = 0.01
     rounds: int = 4
     tolerance: float = 0.25
@@ -503,15 +511,12 @@ class DGC(_SparseBase):
     randomness: ClassVar[str] = "per_worker"
 
     def __post_init__(self):
-        object.__setattr__(self, "density", check_density(self.density))
+        super().__post_init__()
         object.__setattr__(self, "sample_ratio", check_density(self.sample_ratio, "sample_ratio"))
         object.__setattr__(self, "rounds", check_int(self.rounds, "rounds", 0, 100))
         object.__setattr__(
             self, "tolerance", _check_fraction_above_zero(self.tolerance, "tolerance")
         )
-
-    def k(self, n: int) -> int:
-        return num_selected(n, self.density)
 
     def capacity(self, n: int) -> int:
         """Candidate slots ``C = min(n, ceil((1 + tolerance) k))``."""
@@ -559,7 +564,7 @@ class DGC(_SparseBase):
             ).astype(t.dtype)
             return i + 1, t, count(t), low, c_low, high, c_high
 
-        t0 = lax.top_k(sample, min(max(1, math.ceil(self.density * m)), m))[0][-1]
+        t0 = lax.top_k(sample, min(max(1, math.ceil(self._density() * m)), m))[0][-1]
         c0 = count(t0)
         # *_like keeps the carry's varying-ness over a mapped axis equal to t0's.
         low, high, none_yet = jnp.zeros_like(t0), jnp.full_like(t0, jnp.inf), jnp.zeros_like(c0)

@@ -1,0 +1,176 @@
+"""What a density schedule costs at the compiled peak, and what each of its phases sends.
+
+A density schedule (``compression.density_schedule``; ``resireduce_jax.compressors.schedule``)
+runs as one program: each compressed leaf's exchange is a ``lax.switch`` with one
+static-size branch per phase, chosen by the exchange's step count. This script compiles the
+training program's guarded 8-worker train step (``train/compiled_step.py``, abstract shapes,
+nothing allocated) with the constant density and with two schedules, and reports per
+worker:
+
+* the compiled peak and temp of each, and the schedule's peak over the constant one's;
+* the bytes every phase's collectives move, read off the compiled HLO (each branch of
+  every conditional, with what it calls), beside the compressors' exact
+  ``payload_bytes`` of that phase summed over the compressed leaves (dense leaves
+  travel outside the branches and are left out of both).
+
+Schedules: ``dense``: a dense warm-up, then the target density; ``dgc``: a dense warm-up,
+then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target.
+
+    python benchmarks/density_schedule.py                 # all cases (long)
+    python benchmarks/density_schedule.py --models gpt2_medium --variants ef
+    python benchmarks/density_schedule.py --from-json    # re-render the markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
+
+from common import (
+    NUM_WORKERS,
+    MiB,
+    environment,
+    read_results,
+    write_markdown,
+    write_results,
+)
+from peak_memory import CASES
+
+SCHEDULES = {
+    "constant": {"dense_fraction": 0.0, "dgc_fraction": 0.0},
+    "dense": {"dense_fraction": 0.05, "dgc_fraction": 0.0},
+    "dgc": {"dense_fraction": 0.05, "dgc_fraction": 0.2},
+}
+TOTAL_STEPS = 1000
+
+
+def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
+    """Compiles the case's guarded step with ``schedule``; peak and per-phase bytes."""
+    import jax
+    import numpy as np
+
+    import resireduce_jax as rr
+    from train import compiled_step, factory
+
+    case = CASES[model]
+    config = case.load()
+    config.compression.density_schedule.update(SCHEDULES[schedule])
+    step = compiled_step.compile_step(
+        config,
+        variant=variant,
+        batch_per_worker=case.batch_per_worker,
+        seq_len=case.seq_len,
+        num_workers=NUM_WORKERS,
+        total_steps=TOTAL_STEPS,
+    )
+    compressor = factory.build_compressor(config.compression, TOTAL_STEPS)
+    phases = rr.compressors.schedule.phases(compressor)
+    exchange = factory.build_exchange(config.compression, variant=variant)
+    plan = exchange.plan(step.params)
+    dtypes = [x.dtype for x in jax.tree.leaves(step.params)]
+    expected = [
+        sum(
+            p.compressor.payload_bytes(store.group.shape, np.dtype(dtypes[i]))
+            for store in plan.stores
+            for i in store.group.members
+        )
+        for p in phases
+    ]
+    hlo_bytes: list[int | None] = [None]  # one phase: no branches to tell apart
+    if len(phases) > 1:
+        hlo_bytes = [0] * len(phases)
+        for conditional in rr.hlo.branch_collectives(step.compiled):
+            for j, branch in enumerate(conditional):
+                hlo_bytes[j] += sum(c.bytes_per_worker for c in branch)
+    return {
+        "model": model,
+        "variant": variant,
+        "schedule": schedule,
+        "phases": [
+            {
+                "start": p.start,
+                "compressor": repr(p.compressor),
+                "payload_bytes": e,
+                "hlo_bytes": h,
+            }
+            for p, e, h in zip(phases, expected, hlo_bytes, strict=True)
+        ],
+        **step.peak.as_dict(),
+        "compile_seconds": step.compile_seconds,
+    }
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    base = {(r["model"], r["variant"]): r for r in rows if r["schedule"] == "constant"}
+    lines = [
+        "# Density schedules: compiled peak and bytes per phase",
+        "",
+        "| model | variant | schedule | phases | peak MiB | temp MiB | peak / constant |"
+        " phase bytes (HLO = payload) |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ref = base.get((r["model"], r["variant"]))
+        ratio = f"{r['peak'] / ref['peak']:.3f}" if ref else "—"
+        if r["phases"][0]["hlo_bytes"] is None:
+            phase_bytes = f"{r['phases'][0]['payload_bytes']:,} (one phase, no branch)"
+        else:
+            same = all(p["hlo_bytes"] == p["payload_bytes"] for p in r["phases"])
+            listed = ", ".join(f"{p['hlo_bytes']:,}" for p in r["phases"])
+            phase_bytes = f"{listed} ({'equal' if same else 'DIFFER'})"
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['schedule']} | {len(r['phases'])} | "
+            f"{r['peak'] / MiB:.1f} | {r['temp'] / MiB:.1f} | {ratio} | {phase_bytes} |"
+        )
+    lines += [
+        "",
+        f"Per-worker figures of the training program's guarded train step, {NUM_WORKERS} "
+        "simulated workers, compiled from abstract shapes. Schedules over "
+        f"{payload['total_steps']} steps: "
+        + "; ".join(f"`{k}` {v}" for k, v in SCHEDULES.items())
+        + ". Phase bytes: one worker's collective bytes in each branch of the exchange's "
+        "`lax.switch`, summed over the compressed leaves, read off the compiled HLO; "
+        "`equal` when they match the compressors' `payload_bytes` of that phase exactly.",
+        "",
+        "Produced by: `" + payload["command"] + "`.",
+        "",
+        "<!-- prose: notes -->",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2_medium", "resnet50"])
+    parser.add_argument("--variants", nargs="+", default=["ef", "w+2d"])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--from-json", action="store_true", help="re-render the markdown")
+    args = parser.parse_args()
+    if args.from_json:
+        write_markdown("density_schedule", render(read_results("density_schedule")))
+        return
+    from resireduce_jax import runtime
+
+    runtime.configure_cpu(NUM_WORKERS)
+    rows = []
+    for model in args.models:
+        for variant in args.variants:
+            for schedule in args.schedules:
+                rows.append(measure(model, variant, schedule))
+                print(rows[-1]["model"], variant, schedule, rows[-1]["peak"] / MiB, flush=True)
+    payload = {
+        "environment": environment(),
+        "total_steps": TOTAL_STEPS,
+        "command": "python benchmarks/density_schedule.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    write_results("density_schedule", payload, render(payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Density schedules: how many coordinates a sparsifier sends, step by step.
+
+A sparsifier (:class:`~resireduce_jax.compressors.TopK`, ``FastTopK``, ``RandomK``,
+``Threshold``, ``DGC``) takes a float density or a :class:`DensitySchedule`: a
+piecewise-constant density over the exchange's step count. Two schedules are the
+literature's:
+
+* a **dense warm-up** (:func:`dense_warmup`): the first steps travel uncompressed, so the
+  start of training, where gradients change fastest and a residual's delay costs most,
+  sees exact means;
+* **DGC's warm-up** (:func:`dgc_warmup`; Lin et al., "Deep Gradient Compression", ICLR
+  2018, §3.4): the density falls exponentially, 25 % → 6.25 % → 1.5625 % → ... (sparsity
+  75 % → 93.75 % → 98.4375 %), one stage after another, down to the target.
+
+Top-k sizes are static in JAX, so a schedule is run as one program with one static-size
+branch per phase (``lax.switch`` on the step count, inside each leaf's exchange; see
+:mod:`resireduce_jax.exchange`): the phase changes without recompiling, and every phase
+sends exactly its own payload. A phase of density 1 travels dense: a plain all-reduce of
+the leaf (:class:`~resireduce_jax.compressors.NoCompression`), its residual zero.
+
+:func:`phases` turns a compressor with a schedule into its phases, each a compressor with a
+float density; :func:`bytes_sent` counts what one worker sends over a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "DensitySchedule",
+    "Phase",
+    "Phased",
+    "bytes_sent",
+    "constant",
+    "dense_warmup",
+    "dgc_stages",
+    "dgc_warmup",
+    "phase_index",
+    "phases",
+    "piecewise",
+    "with_dense_start",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DensitySchedule:
+    """A piecewise-constant density: ``densities[j]`` from step ``starts[j]`` on.
+
+    Attributes:
+      starts: first step of every phase; ``starts[0] == 0``, strictly increasing ints.
+      densities: density of every phase, each in (0, 1]; 1 means uncompressed.
+    """
+
+    starts: tuple[int, ...]
+    densities: tuple[float, ...]
+
+    def __post_init__(self):
+        starts, densities = tuple(self.starts), tuple(self.densities)
+        if not starts or len(starts) != len(densities):
+            raise ValueError(
+                f"A density schedule needs one density per phase start; got starts={starts} "
+                f"and densities={densities}."
+            )
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in starts):
+            raise ValueError(f"Phase starts must be ints (steps), got {starts}.")
+        if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(
+                f"Phase starts must begin at step 0 and increase strictly, got {starts}."
+            )
+        checked = []
+        for d in densities:
+            try:
+                value = float(d)
+            except (TypeError, ValueError):
+                value = math.nan
+            if not 0.0 < value <= 1.0:
+                raise ValueError(
+                    f"Every density of a schedule must be in (0, 1], got {densities}: a density "
+                    "is the fraction of elements each worker sends (1 = uncompressed)."
+                )
+            checked.append(value)
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "densities", tuple(checked))
+
+    @property
+    def final(self) -> float:
+        """The density of the last phase (the run's steady state)."""
+        return self.densities[-1]
+
+    def at(self, step: int) -> float:
+        """The density at ``step`` (a Python int)."""
+        return self.densities[sum(step >= s for s in self.starts[1:])]
+
+    def steps_per_phase(self, total_steps: int) -> tuple[int, ...]:
+        """How many of the first ``total_steps`` steps each phase lasts."""
+        return _phase_lengths(self.starts, total_steps)
+
+
+def _phase_lengths(starts: Sequence[int], total_steps: int) -> tuple[int, ...]:
+    ends = (*starts[1:], math.inf)
+    return tuple(max(0, min(total_steps, e) - s) for s, e in zip(starts, ends, strict=True))
+
+
+def constant(density: float) -> DensitySchedule:
+    """The same density at every step."""
+    return DensitySchedule((0,), (density,))
+
+
+def piecewise(densities: Mapping[int, float]) -> DensitySchedule:
+    """``{first step: density}``, e.g. ``{0: 1.0, 100: 0.01}``; must start at step 0."""
+    items = sorted(densities.items())
+    return DensitySchedule(tuple(s for s, _ in items), tuple(d for _, d in items))
+
+
+def dense_warmup(steps: int, density: float) -> DensitySchedule:
+    """Uncompressed for the first ``steps`` steps, then ``density``."""
+    if steps == 0:
+        return constant(density)
+    return DensitySchedule((0, steps), (1.0, density))
+
+
+def dgc_warmup(
+    density: float,
+    stage_steps: int,
+    *,
+    start: float = 0.25,
+    factor: float = 4.0,
+    dense_steps: int = 0,
+) -> DensitySchedule:
+    """DGC's warm-up (Lin et al. 2018, §3.4): density ``start``, ``start / factor``, ...
+    for ``stage_steps`` steps each while above ``density``, then ``density``.
+
+    The paper's 75 % → 93.75 % → 98.4375 % → 99.6 % sparsity is ``start=0.25, factor=4``.
+
+    Args:
+      density: the target density, reached after the warm-up stages.
+      stage_steps: steps per warm-up stage (the paper: one epoch).
+      start: density of the first stage.
+      factor: the density is divided by this from one stage to the next (> 1).
+      dense_steps: uncompressed steps before the first stage.
+    """
+    if isinstance(stage_steps, bool) or not isinstance(stage_steps, int) or stage_steps < 0:
+        raise ValueError(f"stage_steps must be an int >= 0, got {stage_steps!r}.")
+    stages = dgc_stages(density, start=start, factor=factor) if stage_steps else ()
+    starts, densities = [], []
+    if dense_steps:
+        starts.append(0)
+        densities.append(1.0)
+    for j, d in enumerate(stages):
+        starts.append(dense_steps + j * stage_steps)
+        densities.append(d)
+    starts.append(dense_steps + len(stages) * stage_steps)
+    densities.append(density)
+    return DensitySchedule(tuple(starts), tuple(densities))
+
+
+def dgc_stages(density: float, *, start: float = 0.25, factor: float = 4.0) -> tuple[float, ...]:
+    """The densities of DGC's warm-up stages above ``density``: ``start``, ``start /
+    factor``, ... (:func:`dgc_warmup`)."""
+    if not factor > 1.0:
+        raise ValueError(f"factor must be > 1 (the density falls stage by stage), got {factor}.")
+    stages, d = [], float(start)
+    while d > density:
+        stages.append(d)
+        d /= factor
+    return tuple(stages)
+
+
+def as_density(value: Any, name: str = "density") -> float | DensitySchedule:
+    """A validated float in (0, 1], or a :class:`DensitySchedule` (one phase: its float)."""
+    from resireduce_jax.compressors.sparse import check_density
+
+    if isinstance(value, DensitySchedule):
+        return value.final if len(value.starts) == 1 else value
+    return check_density(value, name)
+
+
+class Phase(NamedTuple):
+    """One phase of a scheduled compressor: from step ``start`` on, ``compressor`` runs."""
+
+    start: int
+    compressor: Any  # Compressor (imported lazily: base imports nothing from here)
+
+
+def _compressor_base():
+    from resireduce_jax.compressors.base import Compressor
+
+    return Compressor
+
+
+@dataclasses.dataclass(frozen=True)
+class Phased:
+    """Any compressors one after another: ``Phased(((0, none()), (100, onebit())))``.
+
+    What a density schedule is for one sparsifier, for compressors of any kind (a dense
+    warm-up before 1-bit compression, as 1-bit Adam does). Only the exchange transforms
+    run it, one phase at a time; every phase must keep the same compressor state.
+
+    Attributes:
+      steps: ``(first step, compressor)`` pairs; the first starts at step 0, the starts
+        increase strictly.
+    """
+
+    steps: tuple[tuple[int, Any], ...]
+    name = "phased"
+
+    def __post_init__(self):
+        steps = tuple((s, c) for s, c in self.steps)
+        base = _compressor_base()
+        if not steps or any(not isinstance(c, base) for _, c in steps):
+            raise ValueError(
+                "Phased takes (first step, compressor) pairs of resireduce_jax compressors, "
+                f"got {self.steps!r}."
+            )
+        if any(isinstance(c, Phased) or len(phases(c)) > 1 for _, c in steps):
+            raise ValueError("A phase of Phased must be one compressor, not a schedule.")
+        DensitySchedule(tuple(s for s, _ in steps), (1.0,) * len(steps))  # checks the starts
+        object.__setattr__(self, "steps", steps)
+
+    @property
+    def biased(self) -> bool:
+        return any(c.biased for _, c in self.steps)
+
+
+def with_dense_start(steps: int, compressor: Any) -> Phased:
+    """Uncompressed for ``steps`` steps, then ``compressor``'s phases, each ``steps`` later."""
+    from resireduce_jax.compressors.dense import NoCompression
+
+    later = tuple((steps + p.start, p.compressor) for p in phases(compressor))
+    return Phased(((0, NoCompression()), *later) if steps else later)
+
+
+def phases(compressor: Any) -> tuple[Phase, ...]:
+    """The phases of ``compressor``: one per density of its schedule, or just itself.
+
+    A compressor whose density field (``density_field``, e.g. ``"density"``) holds a
+    :class:`DensitySchedule` gives one copy per phase with that phase's float density; a
+    phase of density 1 is :class:`~resireduce_jax.compressors.NoCompression` (a dense
+    all-reduce). :class:`Phased` gives its own phases. Any other compressor is a single
+    phase from step 0.
+    """
+    if isinstance(compressor, Phased):
+        return tuple(Phase(s, c) for s, c in compressor.steps)
+    field = getattr(compressor, "density_field", None)
+    schedule = getattr(compressor, field, None) if field else None
+    if not isinstance(schedule, DensitySchedule):
+        return (Phase(0, compressor),)
+    from resireduce_jax.compressors.dense import NoCompression
+
+    return tuple(
+        Phase(s, NoCompression() if d == 1.0 else dataclasses.replace(compressor, **{field: d}))
+        for s, d in zip(schedule.starts, schedule.densities, strict=True)
+    )
+
+
+def phase_index(starts: Sequence[int], count: jax.Array) -> jax.Array:
+    """The phase (int32) that step ``count`` falls in, for phase ``starts``."""
+    index = jnp.zeros([], jnp.int32)
+    for s in starts[1:]:
+        index = index + (count >= s).astype(jnp.int32)
+    return index
+
+
+def bytes_sent(compressor: Any, shape: tuple[int, ...], dtype: Any, total_steps: int) -> int:
+    """Payload bytes one worker sends for one leaf over ``total_steps`` steps, every phase
+    at its own size (exact: the compressors' ``payload_bytes``)."""
+    found = phases(compressor)
+    lengths = _phase_lengths([p.start for p in found], total_steps)
+    return sum(
+        n * p.compressor.payload_bytes(shape, dtype) for p, n in zip(found, lengths, strict=True)
+    )

@@ -1,0 +1,290 @@
+"""Density schedules: hand-derived phases, numpy error feedback phase by phase, HLO bytes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import resireduce_jax as rr
+from resireduce_jax import hlo
+from resireduce_jax.compressors import schedule
+from tests import transform_harness as th
+
+W = 8
+SHAPES = {"w1": (40, 60), "w2": (60, 30), "b": (60,)}
+MIN_SIZE = 1000
+COMPRESSED = ("w1", "w2")
+
+
+def test_dgc_warmup_divides_the_density_by_four_per_stage_down_to_the_target():
+    # DGC §3.4: sparsity 75 % -> 93.75 % -> 98.4375 % -> ..., i.e. density 1/4, 1/16, 1/64.
+    s = rr.compressors.dgc_warmup(0.01, 10)
+    assert s.starts == (0, 10, 20, 30)
+    assert s.densities == (0.25, 0.0625, 0.015625, 0.01)
+    s = rr.compressors.dgc_warmup(0.001, 5, dense_steps=7)
+    assert s.starts == (0, 7, 12, 17, 22, 27)
+    assert s.densities == (1.0, 0.25, 0.0625, 0.015625, 0.00390625, 0.001)
+
+
+def test_dense_warmup_and_piecewise_and_lookup():
+    s = rr.compressors.dense_warmup(100, 0.01)
+    assert (s.starts, s.densities) == ((0, 100), (1.0, 0.01))
+    assert [s.at(t) for t in (0, 99, 100, 10_000)] == [1.0, 1.0, 0.01, 0.01]
+    assert s.steps_per_phase(250) == (100, 150)
+    assert s.steps_per_phase(40) == (40, 0)
+    assert rr.compressors.piecewise({300: 0.01, 0: 0.1}).starts == (0, 300)
+    assert rr.compressors.dense_warmup(0, 0.01) == schedule.constant(0.01)
+
+
+@pytest.mark.parametrize(
+    "starts, densities, match",
+    [
+        ((5, 10), (1.0, 0.1), "begin at step 0"),
+        ((0, 10, 10), (1.0, 0.1, 0.01), "increase strictly"),
+        ((0, 10), (1.0,), "one density per phase"),
+        ((0, 10), (1.0, 0.0), r"in \(0, 1\]"),
+        ((0, 10), (1.5, 0.1), r"in \(0, 1\]"),
+        ((0, 2.5), (1.0, 0.1), "must be ints"),
+    ],
+)
+def test_bad_schedules_are_refused(starts, densities, match):
+    with pytest.raises(ValueError, match=match):
+        rr.compressors.DensitySchedule(starts, densities)
+
+
+def test_dgc_factor_must_shrink_the_density():
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        rr.compressors.dgc_warmup(0.01, 10, factor=1.0)
+
+
+def test_every_sparsifier_takes_a_schedule_and_refuses_to_compress_with_it():
+    sched = rr.compressors.dense_warmup(3, 0.05)
+    for c in (
+        rr.compressors.topk(sched),
+        rr.compressors.fast_topk(sched),
+        rr.compressors.randomk(sched),
+        rr.compressors.threshold(0.1, sched),
+        rr.compressors.dgc(sched),
+    ):
+        found = schedule.phases(c)
+        assert [p.start for p in found] == [0, 3]
+        assert isinstance(found[0].compressor, rr.compressors.NoCompression)
+        assert getattr(found[1].compressor, c.density_field) == 0.05
+        with pytest.raises(ValueError, match="is a schedule"):
+            c.k(100)
+
+
+def test_bytes_sent_counts_every_phase_at_its_own_size():
+    c = rr.compressors.topk(rr.compressors.dense_warmup(3, 0.05))
+    # 3 dense steps of 2400 float32, then 7 steps of k = 120 values + int32 indices.
+    assert schedule.bytes_sent(c, (40, 60), np.float32, 10) == 3 * 2400 * 4 + 7 * 120 * 8
+    assert schedule.bytes_sent(c, (40, 60), np.float32, 2) == 2 * 2400 * 4
+
+
+def test_exchange_bytes_sent_adds_dense_leaves_and_hierarchical_shards():
+    c = rr.compressors.topk(rr.compressors.dense_warmup(3, 0.05))
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    tx = rr.error_feedback(c, min_size=MIN_SIZE)
+    per_step_dense = 60 * 4  # "b" travels dense
+    expected = sum(schedule.bytes_sent(c, SHAPES[k], np.float32, 10) for k in COMPRESSED)
+    assert tx.bytes_sent(params, 10) == expected + 10 * per_step_dense
+    assert rr.exchange.dense_bytes(params) == 4 * (2400 + 1800 + 60)
+    # Hierarchical, 4 devices per node: each device sends its shard's payload across nodes.
+    hier = rr.error_feedback(c, min_size=MIN_SIZE, local_axis="local")
+    shard_bytes = sum(
+        schedule.bytes_sent(c, (s[0] // 4, s[1]), np.float32, 10)
+        for k, s in SHAPES.items()
+        if k in COMPRESSED
+    )
+    assert hier.bytes_sent(params, 10, local_size=4) == shard_bytes + 10 * per_step_dense
+
+
+def np_scheduled_error_feedback(grads_per_step, density_at):
+    """Numpy EF with a per-step density; density 1 sends everything (a dense all-reduce)."""
+    residual = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+    outputs = []
+    for t, grads in enumerate(grads_per_step):
+        out = {}
+        for name, g in grads.items():
+            if name not in COMPRESSED:
+                out[name] = g.astype(np.float64).mean(0)
+                continue
+            comp = g + residual[name]
+            if density_at(t) == 1.0:
+                sent = comp
+            else:
+                sent = np.stack([th.np_topk_sparsify(comp[w], density_at(t)) for w in range(W)])
+            residual[name] = comp - sent
+            out[name] = sent.astype(np.float64).mean(0)
+        outputs.append(out)
+    return outputs, residual
+
+
+@pytest.mark.parametrize("variant", ["ef", "w+2d"])
+def test_scheduled_error_feedback_matches_numpy_phase_by_phase(variant):
+    sched = rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02})
+    grads = th.random_grads(np.random.default_rng(3), SHAPES, W, steps=6)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    if variant == "ef":
+        tx = rr.error_feedback(rr.compressors.topk(sched), min_size=MIN_SIZE)
+        outputs, state = th.run_shard_map(tx, params, grads)
+        ref_outputs, ref_residual = np_scheduled_error_feedback(grads, sched.at)
+        for out, ref in zip(outputs, ref_outputs, strict=True):
+            for name in SHAPES:
+                np.testing.assert_allclose(out[name][0], ref[name], rtol=1e-6, atol=1e-6)
+        for name in COMPRESSED:
+            np.testing.assert_array_equal(state.residuals[name], ref_residual[name])
+        return
+    # ResiReduce: the scheduled transform equals, step by step, the constant-density
+    # transform of each phase started from the scheduled one's state (the dense phase
+    # leaves every store at zero).
+    options = dict(min_size=MIN_SIZE, grouping=rr.grouping.auto(), inter="weighted", intra="2d",
+                   intra_layers="w1")  # fmt: skip
+    tx = rr.resireduce(rr.compressors.topk(sched), **options)
+    outputs, state = th.run_shard_map(tx, params, grads)
+    zeros = jax.tree.map(np.zeros_like, state.residuals)
+    for t in (0, 1):  # dense: exact means, nothing kept
+        for name in SHAPES:
+            np.testing.assert_allclose(
+                outputs[t][name][0], grads[t][name].mean(0), rtol=1e-6, atol=1e-6
+            )
+    _, dense_state = th.run_shard_map(tx, params, grads[:2])
+    for a, b in zip(jax.tree.leaves(dense_state.residuals), jax.tree.leaves(zeros), strict=True):
+        if np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_array_equal(a, b)
+    const = rr.resireduce(rr.compressors.topk(0.25), **options)
+    ref_outputs, ref_state = th.run_shard_map(const, params, grads[2:4])
+    for t in (2, 3):
+        for name in SHAPES:
+            np.testing.assert_array_equal(outputs[t][name], ref_outputs[t - 2][name])
+    _, four = th.run_shard_map(tx, params, grads[:4])
+    for a, b in zip(
+        jax.tree.leaves(four.residuals), jax.tree.leaves(ref_state.residuals), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def _compiled_exchange(tx, params):
+    mesh = th.mesh(W)
+    specs = rr.parallel.state_partition_specs(tx, params, mesh, th.AXIS)
+
+    def step(p, s, g):
+        s = rr.parallel.unstack_per_worker(s, specs)
+        out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return out, rr.parallel.stack_per_worker(s, specs)
+
+    init = jax.shard_map(
+        lambda p: rr.parallel.stack_per_worker(tx.init(p), specs),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=specs,
+    )
+    state = jax.eval_shape(init, params)
+    grads = {
+        k: jax.ShapeDtypeStruct((W, *s), np.float32, sharding=NamedSharding(mesh, P(th.AXIS)))
+        for k, s in SHAPES.items()
+    }
+    fn = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(th.AXIS)), out_specs=(P(), specs))
+    )
+    return fn.lower(params, state, grads).compile()
+
+
+def test_each_phase_moves_exactly_its_payload_bytes_in_the_compiled_program():
+    sched = rr.compressors.dgc_warmup(0.01, 5, dense_steps=3)  # dense, 1/4, 1/16, 1/64, 1 %
+    compressor = rr.compressors.topk(sched)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    compiled = _compiled_exchange(rr.error_feedback(compressor, min_size=MIN_SIZE), params)
+    conditionals = hlo.branch_collectives(compiled)
+    assert len(conditionals) == len(COMPRESSED)  # one switch per compressed leaf
+    phases = schedule.phases(compressor)
+    for j, phase in enumerate(phases):
+        expected = sum(phase.compressor.payload_bytes(SHAPES[k], np.float32) for k in COMPRESSED)
+        moved = sum(c.bytes_per_worker for cond in conditionals for c in cond[j])
+        assert moved == expected, (j, phase)
+    # The dense phase all-reduces; the others all-gather values and indices.
+    assert {c.op for cond in conditionals for c in cond[0]} == {"all-reduce"}
+    assert {c.op for cond in conditionals for c in cond[-1]} == {"all-gather"}
+
+
+def test_a_constant_density_compiles_no_conditional():
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    compiled = _compiled_exchange(
+        rr.error_feedback(rr.compressors.topk(0.01), min_size=MIN_SIZE), params
+    )
+    assert hlo.branch_collectives(compiled) == []
+
+
+def test_dgc_memory_runs_a_sparse_schedule_and_refuses_a_dense_phase():
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    grads = th.random_grads(np.random.default_rng(5), SHAPES, W, steps=3)
+    sched = rr.compressors.piecewise({0: 0.25, 2: 0.02})
+    tx = rr.dgc_memory(rr.compressors.topk(sched), 0.9, min_size=MIN_SIZE)
+    outputs, _ = th.run_shard_map(tx, params, grads)
+    # Step 0: u = v = g, a quarter of each worker's entries sent.
+    for name in COMPRESSED:
+        n = int(np.prod(SHAPES[name]))
+        sent = np.stack([th.np_topk_sparsify(grads[0][name][w], 0.25) for w in range(W)])
+        np.testing.assert_allclose(outputs[0][name][0], sent.mean(0), rtol=1e-6, atol=1e-7)
+        assert np.count_nonzero(sent[0]) == n // 4
+    with pytest.raises(ValueError, match="density 1"):
+        rr.dgc_memory(rr.compressors.topk(rr.compressors.dense_warmup(5, 0.01)))
+
+
+def test_phased_compressors_run_a_dense_start_before_any_compressor():
+    c = schedule.with_dense_start(2, rr.compressors.onebit())
+    assert [p.start for p in schedule.phases(c)] == [0, 2]
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    grads = th.random_grads(np.random.default_rng(7), SHAPES, W, steps=3)
+    outputs, _ = th.run_shard_map(rr.error_feedback(c, min_size=MIN_SIZE), params, grads)
+    ref, _ = th.run_shard_map(
+        rr.error_feedback(rr.compressors.onebit(), min_size=MIN_SIZE), params, grads[2:]
+    )
+    for name in SHAPES:  # dense steps: exact means; then 1-bit from a zero residual
+        np.testing.assert_allclose(outputs[1][name][0], grads[1][name].mean(0), rtol=1e-6)
+        np.testing.assert_array_equal(outputs[2][name], ref[0][name])
+    with pytest.raises(ValueError, match="compressor"):
+        schedule.Phased(((0, "topk"),))
+
+
+def test_resuming_mid_schedule_is_bit_identical():
+    """The phase comes from the exchange's step count, which the state carries: running
+    3 steps and then 3 more from the saved state equals 6 steps at once."""
+    sched = rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02})
+    tx = optax.chain(
+        rr.error_feedback(rr.compressors.topk(sched), min_size=MIN_SIZE), optax.sgd(0.1)
+    )
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    grads = th.random_grads(np.random.default_rng(9), SHAPES, W, steps=6)
+    whole, state = th.run_shard_map(tx, params, grads)
+    exchange_state = state[0]
+    np.testing.assert_array_equal(exchange_state.count, np.full(W, 6))
+    # A state saved after step 3 and restored: feed steps 3..5 to a fresh run continued
+    # from it (run_shard_map restarts from init, so rebuild the run from the saved state).
+    _, mid = th.run_shard_map(tx, params, grads[:3])
+    mesh = th.mesh(W)
+    specs = rr.parallel.state_partition_specs(tx, params, mesh, th.AXIS)
+
+    def step(p, s, g):
+        s = rr.parallel.unstack_per_worker(s, specs)
+        out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return jax.tree.map(lambda x: x[None], out), rr.parallel.stack_per_worker(s, specs)
+
+    fn = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, P(th.AXIS)), out_specs=(P(th.AXIS), specs)
+        )
+    )
+    restored = jax.tree.map(
+        lambda x, spec: x if spec != P() else x[0], mid, specs
+    )  # replicated leaves back to one copy
+    restored = jax.device_put(restored, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    for t in range(3, 6):
+        g = jax.device_put(grads[t], NamedSharding(mesh, P(th.AXIS)))
+        out, restored = fn(rr.parallel.replicated(params, mesh), restored, g)
+        for name in SHAPES:
+            np.testing.assert_array_equal(np.asarray(out[name]), whole[t][name])
