@@ -3,6 +3,9 @@
 * Compressed gradient exchange with error feedback, and ResiReduce's reduced residuals:
   :func:`compressed_mean`, :func:`error_feedback`, :func:`resireduce`, with
   :mod:`compressors` and :mod:`grouping`.
+* Compressed-momentum Adam and SGD (1-bit Adam's scheme with any compressor and
+  ResiReduce's stores for the momentum error): :func:`compressed_momentum_adam`,
+  :func:`compressed_momentum_sgd`.
 * Deep Gradient Compression's memory (momentum correction, local clipping, momentum
   factor masking): :func:`dgc_memory`, :func:`deep_gradient_compression`.
 * The data-parallel step under ``jax.shard_map``: :mod:`parallel`.
@@ -13,6 +16,7 @@
 """
 
 from resireduce_jax import (
+    compressed_momentum,
     compressors,
     dgc,
     exchange,
@@ -27,6 +31,11 @@ from resireduce_jax import (
     runtime,
     tree_paths,
 )
+from resireduce_jax.compressed_momentum import (
+    CompressedMomentumState,
+    compressed_momentum_adam,
+    compressed_momentum_sgd,
+)
 from resireduce_jax.dgc import DGCState, deep_gradient_compression, dgc_memory
 from resireduce_jax.exchange import ExchangeState, ExchangeTransformation
 from resireduce_jax.nonfinite import SkipNonFiniteState, skip_nonfinite, value_and_guarded_grad
@@ -37,6 +46,7 @@ from resireduce_jax.transforms import compressed_mean, error_feedback
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressedMomentumState",
     "DGCState",
     "ExchangeState",
     "ExchangeTransformation",
@@ -44,6 +54,9 @@ __all__ = [
     "adamw_r",
     "adan_r",
     "compressed_mean",
+    "compressed_momentum",
+    "compressed_momentum_adam",
+    "compressed_momentum_sgd",
     "compressors",
     "deep_gradient_compression",
     "dgc",

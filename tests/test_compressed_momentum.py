@@ -1,0 +1,260 @@
+"""compressed_momentum_adam against a numpy paraphrase of 1-bit Adam (Tang et al. 2021,
+Algorithm 1) with Top-k, against optax's AdamW during the warm-up, and its invariants."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import resireduce_jax as rr
+from tests import transform_harness as th
+
+W = 8
+SHAPES = {"w1": (40, 60), "w2": (60, 30), "b": (60,)}
+MIN_SIZE = 1000
+COMPRESSED = ("w1", "w2")
+HYPER = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.01}
+
+
+def _params():
+    rng = np.random.default_rng(1)
+    return {k: rng.normal(0, 0.1, s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _clip(tree, c):
+    norm = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in tree.values()))
+    return {k: (x * np.float32(min(1.0, c / norm))).astype(np.float32) for k, x in tree.items()}
+
+
+def np_compressed_momentum_adam(
+    grads_per_step, params, *, lr, warmup, density, clip, compressed="momentum"
+):
+    """Tang et al., Algorithm 1, with Top-k as the compressor and per-worker errors:
+    warm-up: Adam on the mean gradient; then m = mean_w Q(b1 m + (1-b1) g_w + e_w),
+    e_w = what Q left, v frozen (and floored per leaf at 1 % of its mean, the library's
+    default ``nu_floor``); u = -lr (m_hat / (sqrt(v_hat) + eps) + wd p)."""
+    b1, b2, eps, wd = HYPER["b1"], HYPER["b2"], HYPER["eps"], HYPER["weight_decay"]
+    m = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    v = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    e = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+    updates = []
+    for t, g in enumerate(grads_per_step):
+        step = t + 1
+        if t < warmup:
+            gbar = {k: x.mean(0, dtype=np.float64).astype(np.float32) for k, x in g.items()}
+            if clip is not None:
+                gbar = _clip(gbar, clip)
+            m = {k: (1 - b1) * gbar[k] + b1 * m[k] for k in SHAPES}
+            v = {k: (1 - b2) * gbar[k] * gbar[k] + b2 * v[k] for k in SHAPES}
+            if t == warmup - 1:  # v freezes, floored at 1 % of its leaf's mean
+                v = {
+                    k: np.maximum(x, np.float32(0.01) * x.mean(dtype=np.float32))
+                    for k, x in v.items()
+                }
+        else:
+            local = [{k: x[w] for k, x in g.items()} for w in range(W)]
+            if clip is not None:
+                local = [_clip(x, clip) for x in local]
+            new_m = {}
+            for k in SHAPES:
+                # "update": the momentum in units of the frozen sqrt(v_hat) + eps.
+                denom = np.sqrt(v[k] / (1 - b2**warmup)) + eps
+                scale = denom if compressed == "update" else np.float32(1)
+                x = np.stack([((1 - b1) * local[w][k] + b1 * m[k]) / scale for w in range(W)])
+                if k in COMPRESSED:
+                    comp = x + e[k]
+                    sent = np.stack([th.np_topk_sparsify(comp[w], density) for w in range(W)])
+                    e[k] = comp - sent
+                    x = sent
+                new_m[k] = x.mean(0, dtype=np.float64).astype(np.float32) * scale
+            m = new_m
+        bias1 = 1 - b1**step
+        bias2 = 1 - b2 ** min(step, warmup)
+        updates.append(
+            {
+                k: -lr * ((m[k] / bias1) / (np.sqrt(v[k] / bias2) + eps) + wd * params[k])
+                for k in SHAPES
+            }
+        )
+    return updates, m, v, e
+
+
+@pytest.mark.parametrize(
+    "clip, compressed", [(None, "momentum"), (0.5, "momentum"), (0.5, "update")]
+)
+def test_matches_numpy_one_bit_adam_paraphrase_through_both_phases(clip, compressed):
+    warmup, density, lr = 2, 0.05, 1e-2
+    grads = th.random_grads(np.random.default_rng(0), SHAPES, W, steps=6)
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(warmup, density)), min_size=MIN_SIZE
+    )
+    tx = rr.compressed_momentum_adam(
+        lr, exchange, max_grad_norm=clip, compressed=compressed, **HYPER
+    )
+    outputs, state = th.run_shard_map(tx, params, grads)
+    ref, m, v, e = np_compressed_momentum_adam(
+        grads, params, lr=lr, warmup=warmup, density=density, clip=clip, compressed=compressed
+    )
+    for t, (out, r) in enumerate(zip(outputs, ref, strict=True)):
+        for k in SHAPES:
+            for w in range(W):  # every worker applies the same update
+                np.testing.assert_allclose(out[k][w], r[k], rtol=2e-5, atol=1e-7, err_msg=(t, k))
+    for k in SHAPES:
+        np.testing.assert_allclose(state.mu[k][0], m[k], rtol=2e-5, atol=1e-8)
+        np.testing.assert_allclose(state.nu[k][0], v[k], rtol=1e-5, atol=1e-12)
+    for k in COMPRESSED:  # each worker's momentum error is its own
+        np.testing.assert_allclose(state.exchange.residuals[k], e[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(state.count, np.full(W, len(grads)))
+
+
+def test_warmup_is_optax_adamw_on_the_mean_gradient():
+    grads = th.random_grads(np.random.default_rng(2), SHAPES, W, steps=4)
+    params = _params()
+    exchange = rr.resireduce(
+        rr.compressors.topk(rr.compressors.dense_warmup(10, 0.01)),
+        min_size=MIN_SIZE,
+        grouping=rr.grouping.auto(),
+        inter="weighted",
+        intra="2d",
+        intra_layers="w1",
+    )
+    tx = rr.compressed_momentum_adam(3e-3, exchange, max_grad_norm=1.0, **HYPER)
+    outputs, _ = th.run_shard_map(tx, params, grads)
+    reference = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(3e-3, b1=HYPER["b1"], b2=HYPER["b2"], eps=HYPER["eps"], weight_decay=0.01),
+    )
+    state = reference.init(params)
+    for t, g in enumerate(grads):
+        mean = {k: jnp.asarray(x).mean(0) for k, x in g.items()}
+        expected, state = reference.update(mean, state, params)
+        for k in SHAPES:
+            np.testing.assert_allclose(outputs[t][k][0], expected[k], rtol=2e-5, atol=1e-8)
+
+
+def test_error_feedback_conserves_the_momentum_sent_and_kept():
+    """After the warm-up, per worker: D(P_w) + e_new = m_w + e_old with m_w = b1 m +
+    (1 - b1) g_w; the new momentum is the mean of what was sent."""
+    b1 = HYPER["b1"]
+    grads = th.random_grads(np.random.default_rng(4), SHAPES, W, steps=4)
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(2, 0.02)), min_size=MIN_SIZE
+    )
+    tx = rr.compressed_momentum_adam(1e-2, exchange, **HYPER)
+    _, before = th.run_shard_map(tx, params, grads[:3])
+    _, after = th.run_shard_map(tx, params, grads)
+    for k in COMPRESSED:
+        local = b1 * before.mu[k][0] + (1 - b1) * grads[3][k]
+        sent = local + before.exchange.residuals[k] - after.exchange.residuals[k]
+        for w in range(W):
+            assert np.count_nonzero(after.exchange.residuals[k][w] == 0) >= int(0.02 * sent[w].size)
+        np.testing.assert_allclose(after.mu[k][0], sent.mean(0), rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(after.nu[k], before.nu[k])  # frozen
+
+
+def test_skipped_step_keeps_every_moment_and_the_count():
+    grads = th.random_grads(np.random.default_rng(6), SHAPES, W, steps=4)
+    grads[3]["w2"][5, 0, 0] = np.nan  # one worker's gradient element
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(2, 0.02)), min_size=MIN_SIZE
+    )
+    tx = rr.skip_nonfinite(rr.compressed_momentum_adam(1e-2, exchange, **HYPER), mode="strict")
+    _, three = th.run_shard_map(tx, params, grads[:3])
+    outputs, four = th.run_shard_map(tx, params, grads)
+    assert int(four.skipped[0]) == 1
+    for k in SHAPES:
+        np.testing.assert_array_equal(outputs[3][k], 0.0)
+        np.testing.assert_array_equal(four.inner.mu[k], three.inner.mu[k])
+        np.testing.assert_array_equal(four.inner.nu[k], three.inner.nu[k])
+    np.testing.assert_array_equal(four.inner.count, three.inner.count)
+
+
+def test_plan_and_bytes_are_the_exchanges():
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(3, 0.05)), min_size=MIN_SIZE
+    )
+    tx = rr.compressed_momentum_adam(1e-3, exchange)
+    assert tx.plan(params) == exchange.plan(params)
+    assert tx.bytes_sent(params, 10) == exchange.bytes_sent(params, 10)
+    state = jax.eval_shape(tx.init, params)
+    assert isinstance(state, rr.CompressedMomentumState)
+    assert rr.exchange.exchange_states(state)[0].residuals.keys() == set(COMPRESSED)
+
+
+def test_a_coordinate_without_warmup_gradient_takes_a_bounded_step():
+    """A feature that is zero in every warm-up batch has v = 0; when its gradient appears,
+    the floored v keeps its step within 1 / sqrt(nu_floor) of its leaf's typical step."""
+    grads = th.random_grads(np.random.default_rng(8), SHAPES, W, steps=5)
+    for t in range(2):  # no gradient for w1[0, 0] during the warm-up
+        grads[t]["w1"][:, 0, 0] = 0.0
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(2, 0.5)), min_size=MIN_SIZE
+    )
+    floored = rr.compressed_momentum_adam(1e-3, exchange, b2=0.95)
+    outputs, state = th.run_shard_map(floored, params, grads)
+    v = state.nu["w1"][0]
+    assert v[0, 0] == pytest.approx(0.01 * v.mean(), rel=1e-3)  # the mean before the floor
+    typical = np.median(np.abs(outputs[4]["w1"][0]))
+    assert np.abs(outputs[4]["w1"][0][0, 0]) <= typical / np.sqrt(0.01) * 2
+    frozen = rr.compressed_momentum_adam(1e-3, exchange, b2=0.95, nu_floor=0.0)
+    outputs, _ = th.run_shard_map(frozen, params, grads)
+    assert np.abs(outputs[4]["w1"][0][0, 0]) > 100 * typical  # divided by eps
+
+
+def test_an_exchange_that_starts_compressed_is_refused():
+    with pytest.raises(ValueError, match="dense warm-up"):
+        rr.compressed_momentum_adam(1e-3, rr.error_feedback(rr.compressors.topk(0.01)))
+    with pytest.raises(ValueError, match="exchange transform"):
+        rr.compressed_momentum_adam(1e-3, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="b2"):
+        rr.compressed_momentum_adam(
+            1e-3,
+            rr.error_feedback(rr.compressors.topk(rr.compressors.dense_warmup(1, 0.01))),
+            b2=1.0,
+        )
+
+
+def test_sgd_variant_matches_numpy_momentum_correction_after_optax_sgd_warmup():
+    """Dense phase: optax.sgd(momentum) on the clipped mean gradient (with L2 decay);
+    then m = mean_w Q(b m + g_w + e_w), the update -lr m."""
+    beta, lr, wd, warmup, density = 0.9, 0.05, 0.01, 2, 0.05
+    grads = th.random_grads(np.random.default_rng(11), SHAPES, W, steps=5)
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(warmup, density)), min_size=MIN_SIZE
+    )
+    tx = rr.compressed_momentum_sgd(lr, exchange, momentum=beta, weight_decay=wd, max_grad_norm=1.0)
+    outputs, state = th.run_shard_map(tx, params, grads)
+    reference = optax.chain(
+        optax.add_decayed_weights(wd), optax.clip_by_global_norm(1.0), optax.sgd(lr, beta)
+    )
+    ref_state = reference.init(params)
+    for t in range(warmup):
+        mean = {k: jnp.asarray(x).mean(0) for k, x in grads[t].items()}
+        expected, ref_state = reference.update(mean, ref_state, params)
+        for k in SHAPES:
+            np.testing.assert_allclose(outputs[t][k][0], expected[k], rtol=2e-5, atol=1e-8)
+    m = {k: np.asarray(v) for k, v in ref_state[2][0].trace.items()}
+    e = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+    for t in range(warmup, len(grads)):
+        local = [_clip({k: grads[t][k][w] + wd * params[k] for k in SHAPES}, 1.0) for w in range(W)]
+        new_m = {}
+        for k in SHAPES:
+            x = np.stack([local[w][k] + beta * m[k] for w in range(W)])
+            if k in COMPRESSED:
+                comp = x + e[k]
+                sent = np.stack([th.np_topk_sparsify(comp[w], density) for w in range(W)])
+                e[k], x = comp - sent, sent
+            new_m[k] = x.mean(0, dtype=np.float64).astype(np.float32)
+        m = new_m
+        for k in SHAPES:
+            np.testing.assert_allclose(outputs[t][k][0], -lr * m[k], rtol=2e-5, atol=1e-8)
+    assert state.nu == () or all(x.size == 0 for x in jax.tree.leaves(state.nu))
