@@ -95,6 +95,7 @@ def test_variant_vocabulary_and_optimizer_registry():
         "dense",
         "none",
         "ef",
+        "dgc",
     ]
     c = small_digits(**{"optimizer.name": "adamw_r", "optimizer.max_grad_norm": 1.0})
     c.optimizer.kwargs = {}
@@ -121,8 +122,19 @@ def test_variant_vocabulary_and_optimizer_registry():
 # ------------------------------------------------------------------ resume
 
 
-def test_resume_is_bit_identical(tmp_path):
-    config = small_digits()
+COMPRESSED_MOMENTUM = {
+    "optimizer.name": "compressed_momentum_adam",
+    "optimizer.learning_rate": 3e-3,
+    "optimizer.kwargs": {},
+    "compression.density_schedule.dense_fraction": 0.25,  # 3 dense steps
+    "compression.density_schedule.dgc_fraction": 0.25,  # then 25 %, 6.25 %, 1.5625 %
+}
+
+
+@pytest.mark.parametrize("changes", [{}, COMPRESSED_MOMENTUM], ids=["sgd", "cm_adam_schedule"])
+def test_resume_is_bit_identical(tmp_path, changes):
+    """Halted after step 5 (with the schedule: in DGC's second stage) and resumed."""
+    config = small_digits(**changes)
     full = tmp_path / "full"
     summary = train.train_and_evaluate(config, str(full))
     assert summary.step == 12 and not summary.preempted
@@ -141,6 +153,22 @@ def test_resume_is_bit_identical(tmp_path):
     train_b = [r for r in metrics_lib.read_metrics(str(split)) if r["split"] == "train"]
     assert [r["loss"] for r in train_a] == [r["loss"] for r in train_b]
     assert summary.eval == second.eval
+    with open(full / "summary.json") as f:
+        written = json.load(f)
+    assert written["communication"] == summary.communication == second.communication
+    # Bytes one worker sent, counted by hand: leaves of >= min_size elements (and ndim >= 2)
+    # are compressed, the rest all-reduced in float32 every step.
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(a["params"])]
+    big = [n for n, x in zip(sizes, jax.tree.leaves(a["params"]), strict=True)
+           if n >= config.compression.min_size and x.ndim >= 2]  # fmt: skip
+    small = sum(sizes) - sum(big)
+    if changes:  # 3 dense steps, one step at each DGC stage, then 6 steps at 1 %
+        per_leaf = [3 * 4 * n + sum(8 * int(d * n) for d in (0.25, 0.0625, 0.015625, *[0.01] * 6))
+                    for n in big]  # fmt: skip
+    else:
+        per_leaf = [12 * 8 * int(0.01 * n) for n in big]
+    assert summary.communication["bytes_sent_per_worker"] == sum(per_leaf) + 12 * 4 * small
+    assert summary.communication["dense_bytes_per_worker"] == 12 * 4 * sum(sizes)
 
 
 def test_worker_count_change_policy(tmp_path):

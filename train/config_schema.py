@@ -10,6 +10,7 @@ or anything is compiled.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -29,7 +30,8 @@ __all__ = [
 ]
 
 # Residual variant -> (inter, intra) of resireduce_jax.resireduce; see parse_variant.
-VARIANTS = ("dense", "none", "ef", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
+# "dgc": Deep Gradient Compression's memory instead of error feedback (SGD only).
+VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
 
 
@@ -54,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     """All keys the training program understands, with defaults (the embedded digits job)."""
     c = ml_collections.ConfigDict()
     c.seed = 0
+    # Fine-tuning: the workdir of a finished run whose newest checkpoint's parameters (and
+    # model state) replace the seeded initialization; the optimizer state starts anew.
+    c.init_from = ""
     c.num_workers = 8
     # Devices per node for the hierarchical exchange (beyond the paper): the mesh becomes
     # nodes x local_devices, gradients are reduced densely inside a node, compressed across
@@ -92,6 +97,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.variant = "w+2d"
     c.compression.compressor = "topk"
     c.compression.density = 0.01  # for sparsifying compressors
+    # How the density changes over the run (resireduce_jax.compressors.schedule), in
+    # fractions of the run's steps: the first dense_fraction travel uncompressed (a dense
+    # warm-up; any compressor), then DGC's warm-up stages (ICLR 2018 §3.4: density
+    # dgc_start, dgc_start / dgc_factor, ... while above `density`; sparsifiers only) share
+    # the next dgc_fraction, then `density`. The optimizer compressed_momentum_adam
+    # estimates Adam's second moment in the dense warm-up (needs dense_fraction > 0).
+    c.compression.density_schedule = ml_collections.ConfigDict(
+        {"dense_fraction": 0.0, "dgc_fraction": 0.0, "dgc_start": 0.25, "dgc_factor": 4.0}
+    )
     c.compression.options = ml_collections.ConfigDict()  # other compressor arguments
     c.compression.min_size = 10_000
     c.compression.residual_dtype = ""  # "" = the leaf dtype; e.g. "bfloat16"
@@ -189,6 +203,11 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     c = config
     _check(isinstance(c.num_workers, int) and c.num_workers >= 1, "num_workers must be >= 1.")
     _check(
+        not c.init_from or os.path.isdir(os.path.join(c.init_from, "checkpoints")),
+        f"init_from={c.init_from!r} holds no checkpoints/ directory: point it at the workdir "
+        "of a finished run (python -m train ... --workdir DIR).",
+    )
+    _check(
         c.local_devices is None
         or (isinstance(c.local_devices, int) and not isinstance(c.local_devices, bool)),
         f"local_devices must be an integer (devices per node) or unset, got {c.local_devices!r}.",
@@ -229,6 +248,40 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"compression.density must be in (0, 1], got {comp.density!r}: it is the fraction "
         "of elements each worker sends (0.01 sends 1 %).",
     )
+    sched = comp.density_schedule
+    _check(
+        0 <= sched.dense_fraction < 1
+        and 0 <= sched.dgc_fraction < 1
+        and sched.dense_fraction + sched.dgc_fraction < 1,
+        "compression.density_schedule.dense_fraction and .dgc_fraction must be in [0, 1) "
+        f"with a sum below 1 (fractions of the run's steps), got {sched.dense_fraction} and "
+        f"{sched.dgc_fraction}.",
+    )
+    _check(
+        0 < sched.dgc_start <= 1 and sched.dgc_factor > 1,
+        "compression.density_schedule.dgc_start must be in (0, 1] and .dgc_factor > 1 (the "
+        f"density falls stage by stage), got {sched.dgc_start} and {sched.dgc_factor}.",
+    )
+    if c.optimizer.name == "compressed_momentum_adam":
+        _check(
+            sched.dense_fraction > 0,
+            "optimizer.name='compressed_momentum_adam' estimates Adam's second moment in a "
+            "dense warm-up: set compression.density_schedule.dense_fraction > 0 (e.g. 0.05).",
+        )
+    if c.optimizer.name.startswith("compressed_momentum_"):
+        _check(
+            comp.variant != "dgc",
+            f"optimizer.name={c.optimizer.name!r} exchanges its momentum itself; "
+            "compression.variant='dgc' is DGC's own memory: use 'ef', 'none', 'dense' or a "
+            "ResiReduce variant ('w+2d', ...).",
+        )
+    if comp.variant == "dgc":
+        _check(
+            c.optimizer.name == "sgd",
+            "compression.variant='dgc' is DGC's memory with its own momentum correction, "
+            f"followed by SGD without momentum: set optimizer.name='sgd' (got "
+            f"{c.optimizer.name!r}); optimizer.kwargs.momentum is DGC's momentum.",
+        )
     _check(
         comp.grouping in ("auto", "regex"),
         f"compression.grouping={comp.grouping!r}; choose 'auto' or 'regex'.",

@@ -29,7 +29,16 @@ variant    exchange                                      ``inter``     ``intra``
 (:func:`build_store_plans`) then have a ``kind`` from the same words: a group of several
 layers gets the ``inter`` kind (``average`` / ``weighted``), a single layer that
 ``intra_layers`` selects gets the ``intra`` kind (``rows`` / ``2d``), any other layer a
-full ``leaf`` residual.
+full ``leaf`` residual. ``dgc`` is Deep Gradient Compression's own memory
+(:func:`resireduce_jax.dgc_memory`: momentum correction, local clipping, momentum factor
+masking) followed by SGD without momentum; it needs ``optimizer.name = "sgd"``.
+
+The compressor's density follows ``compression.density_schedule``
+(:func:`density_schedule`): a dense warm-up and DGC's warm-up stages, as fractions of the
+run's steps. ``optimizer.name = "compressed_momentum_adam"`` (or ``"..._sgd"``) replaces
+the chain by :func:`resireduce_jax.compressed_momentum_adam` (``..._sgd``) around the
+variant's exchange: each worker's momentum is exchanged compressed, its error in the
+variant's residual stores (Adam: after a dense warm-up that estimates the second moment).
 """
 
 from __future__ import annotations
@@ -52,12 +61,20 @@ __all__ = [
     "build_schedule",
     "build_store_plans",
     "build_tx",
+    "density_schedule",
     "local_axis",
     "resireduce_arguments",
 ]
 
 #: Variants that are not ResiReduce (see the table above).
-_OTHER_EXCHANGES = ("dense", "none", "ef")
+_OTHER_EXCHANGES = ("dense", "none", "ef", "dgc")
+
+#: ``optimizer.name`` of the compressed-momentum optimizers, which take the exchange inside
+#: them instead of after them.
+COMPRESSED_MOMENTUM = {
+    "compressed_momentum_adam": rr.compressed_momentum_adam,
+    "compressed_momentum_sgd": rr.compressed_momentum_sgd,
+}
 
 
 def resireduce_arguments(variant: str) -> dict[str, str] | None:
@@ -71,8 +88,34 @@ def resireduce_arguments(variant: str) -> dict[str, str] | None:
     return {"inter": inter, "intra": intra}
 
 
-def build_compressor(comp: ml_collections.ConfigDict) -> rr.compressors.Compressor:
-    """The compressor named by ``compression.compressor`` with its arguments."""
+def density_schedule(
+    comp: ml_collections.ConfigDict, total_steps: int
+) -> rr.compressors.DensitySchedule | None:
+    """``compression.density_schedule`` for a run of ``total_steps``; ``None`` if off.
+
+    The first ``dense_fraction`` of the steps travel uncompressed; then DGC's warm-up
+    stages (density ``dgc_start``, divided by ``dgc_factor`` from stage to stage while above
+    ``compression.density``) share the next ``dgc_fraction`` of the steps; then
+    ``compression.density``. A non-zero fraction lasts at least one step.
+    """
+    s = comp.density_schedule
+    dense = max(1, round(s.dense_fraction * total_steps)) if s.dense_fraction else 0
+    if not s.dgc_fraction:
+        return rr.compressors.dense_warmup(dense, comp.density) if dense else None
+    shape = {"start": s.dgc_start, "factor": s.dgc_factor}
+    stages = rr.compressors.schedule.dgc_stages(comp.density, **shape)
+    stage_steps = max(1, round(s.dgc_fraction * total_steps / max(len(stages), 1)))
+    return rr.compressors.dgc_warmup(comp.density, stage_steps, dense_steps=dense, **shape)
+
+
+def build_compressor(
+    comp: ml_collections.ConfigDict, total_steps: int | None = None
+) -> rr.compressors.Compressor:
+    """The compressor named by ``compression.compressor`` with its arguments.
+
+    With ``total_steps`` its density follows :func:`density_schedule` (a compressor without
+    a density gets the dense warm-up alone); without, it is the steady-state compressor.
+    """
     factory = rr.compressors.REGISTRY.get(comp.compressor)
     if factory is None:
         raise ValueError(
@@ -80,9 +123,19 @@ def build_compressor(comp: ml_collections.ConfigDict) -> rr.compressors.Compress
             f"{sorted(rr.compressors.REGISTRY)}."
         )
     kwargs = config_schema.free_form(comp.options)
-    if "density" in inspect.signature(factory).parameters and "density" not in kwargs:
-        kwargs["density"] = comp.density
-    return rr.compressors.get(comp.compressor, **kwargs)
+    has_density = "density" in inspect.signature(factory).parameters
+    schedule = None if total_steps is None else density_schedule(comp, total_steps)
+    if has_density and "density" not in kwargs:
+        kwargs["density"] = comp.density if schedule is None else schedule
+    compressor = rr.compressors.get(comp.compressor, **kwargs)
+    if schedule is not None and not has_density:
+        if comp.density_schedule.dgc_fraction:
+            raise ValueError(
+                f"compression.density_schedule.dgc_fraction needs a sparsifying compressor "
+                f"(topk, fast_topk, randomk, dgc); {comp.compressor!r} has no density."
+            )
+        compressor = rr.compressors.schedule.with_dense_start(schedule.starts[1], compressor)
+    return compressor
 
 
 def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
@@ -102,20 +155,24 @@ def build_exchange(
     variant: str | None = None,
     axis_name: str = "data",
     local_axis: str | None = None,
-) -> optax.GradientTransformation:
+    total_steps: int | None = None,
+) -> rr.ExchangeTransformation:
     """The gradient-exchange transform of a residual ``variant`` (default: the config's).
 
     ``local_axis``: the hierarchical exchange over a node's devices (``config.local_devices``;
-    :func:`local_axis`), ``None``: flat.
+    :func:`local_axis`), ``None``: flat. ``total_steps``: the run's length, for the
+    compressor's density schedule (``None``: the steady-state compressor, which keeps the
+    same residuals: enough for plans and layouts). ``dgc``'s residual layout is plain
+    error feedback's (its memory is built by :func:`build_tx`).
     """
     variant = variant or comp.variant
     options = {"min_size": comp.min_size, "local_axis": local_axis}
     if variant == "dense":
         return rr.compressed_mean(rr.compressors.none(), axis_name, **options)
-    compressor = build_compressor(comp)
+    compressor = build_compressor(comp, total_steps)
     if variant == "none":
         return rr.compressed_mean(compressor, axis_name, **options)
-    if variant == "ef":
+    if variant in ("ef", "dgc"):
         return rr.error_feedback(compressor, axis_name, **options)
     return rr.resireduce(
         compressor, axis_name, local_axis=local_axis, **_resireduce_options(comp, variant)
@@ -250,7 +307,27 @@ def build_tx(
     of a config with ``local_devices``); ``None``: flat.
     """
     schedule = build_schedule(config, steps_per_epoch, total_steps)
-    return optax.chain(
-        build_exchange(config.compression, variant=variant, local_axis=local_axis),
-        build_optimizer(config, schedule),
-    )
+    comp, o = config.compression, config.optimizer
+    variant = variant or comp.variant
+    if variant == "dgc":
+        if local_axis is not None:
+            raise ValueError("compression.variant='dgc' has no hierarchical exchange.")
+        momentum = config_schema.free_form(o.kwargs).get("momentum", 0.0)
+        chain = [optax.add_decayed_weights(o.weight_decay)] if o.weight_decay else []
+        memory = rr.dgc_memory(
+            build_compressor(comp, total_steps),
+            momentum,
+            o.max_grad_norm,
+            min_size=comp.min_size,
+        )
+        return optax.chain(*chain, memory, rr.optimizers.sgd(schedule))
+    exchange = build_exchange(comp, variant=variant, local_axis=local_axis, total_steps=total_steps)
+    if o.name in COMPRESSED_MOMENTUM:
+        return COMPRESSED_MOMENTUM[o.name](
+            schedule,
+            exchange,
+            weight_decay=o.weight_decay,
+            max_grad_norm=o.max_grad_norm,
+            **config_schema.free_form(o.kwargs),
+        )
+    return optax.chain(exchange, build_optimizer(config, schedule))

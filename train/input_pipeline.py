@@ -12,6 +12,7 @@ Datasets (``config.name``) and their extra config fields (all optional unless ma
 
 * ``digits``: scikit-learn's 8x8 digits, offline.
 * ``pydoc_text``: byte-level LM on CPython's ``pydoc_data.topics``; ``context_length``.
+* ``stdlib_source``: byte-level LM on standard-library Python source; ``context_length``.
 * ``cifar100``: tfds ``cifar100``; ``augment``.
 * ``text_files``: LM on raw text files; ``train_files`` and ``eval_files`` (required
   globs), ``tokenizer``, ``context_length``, ``cache_dir``.
@@ -48,6 +49,11 @@ __all__ = [
 DATASETS: dict[str, tuple[Callable[..., Dataset], frozenset[str], frozenset[str]]] = {
     "digits": (images.DigitsDataset, frozenset(), frozenset()),
     "pydoc_text": (language_modeling.pydoc_text, frozenset({"context_length"}), frozenset()),
+    "stdlib_source": (
+        language_modeling.stdlib_source,
+        frozenset({"context_length"}),
+        frozenset(),
+    ),
     "cifar100": (images.Cifar100Dataset, frozenset({"augment"}), frozenset()),
     "text_files": (
         language_modeling.text_files,

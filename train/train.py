@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -65,6 +67,8 @@ AXIS = "data"
 # Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather), so
 # that all processes stop at the same step.
 STOP_SYNC_EVERY = 8
+# Written to the workdir at the end of every run (also a preempted one): RunSummary as JSON.
+SUMMARY_FILE = "summary.json"
 # Called with the number of every finished step (train/main.py reports it to the
 # supervising parent process, which names the step if a peer is lost).
 STEP_CALLBACKS: list[Callable[[int], None]] = []
@@ -89,6 +93,7 @@ class RunSummary:
     preempted: bool
     memory: dict[str, Any]
     params_digest: str
+    communication: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -219,6 +224,8 @@ def initial_state(run: Run) -> InitialState:
     key = jax.random.PRNGKey(config.seed)
     abstract = jax.eval_shape(run.task.init, key, per_worker)
     variables = jax.jit(run.task.init)(key, per_worker)
+    if config.init_from:
+        variables = pretrained_variables(config.init_from, variables)
     params = variables.pop("params")
     model_state = rr.parallel.replicated(dict(variables), run.mesh)
     # The mesh's "local" axis, if any, makes the step hierarchical (batch, per-worker state
@@ -226,6 +233,28 @@ def initial_state(run: Run) -> InitialState:
     step_fn = compiled_step.build_step(run.task, run.tx, run.mesh, run.config.weight_update_order)
     params, opt_state = step_fn.init(params)
     return InitialState(params, opt_state, model_state, step_fn, abstract["params"])
+
+
+def pretrained_variables(workdir: str, fresh: dict[str, Any]) -> dict[str, Any]:
+    """The parameters (and model state) of the newest complete checkpoint of the run in
+    ``workdir``, in place of ``fresh`` ones of the same structure (``config.init_from``:
+    fine-tuning; the optimizer state starts anew)."""
+    try:
+        saved = final_state(workdir)
+    except FileNotFoundError as error:
+        raise config_schema.ConfigError(
+            f"init_from={workdir!r}: {error} Point it at the workdir of a finished run."
+        ) from None
+    loaded = {"params": saved["params"], **saved.get("model_state", {})}
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), fresh)
+    have = jax.tree.map(lambda x: (x.shape, x.dtype), loaded)
+    if jax.tree.structure(want) != jax.tree.structure(have) or want != have:
+        raise config_schema.ConfigError(
+            f"init_from={workdir!r}: its checkpoint holds another model (parameter names, "
+            "shapes or dtypes differ from this config's); use the same model and "
+            "model.overrides as the run that wrote it."
+        )
+    return jax.tree.map(jnp.asarray, loaded)
 
 
 def exchange_plan(run: Run, abstract_params) -> rr.exchange.ExchangePlan:
@@ -587,11 +616,47 @@ def train_and_evaluate(
         preempted=preempted,
         memory=memory_figures,
         params_digest=digest,
+        communication=communication_summary(run, state.abstract_params, step),
     )
     print(f"Process {jax.process_index()}: params sha256 {digest}", flush=True)
+    if is_main:
+        with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+            json.dump(dataclasses.asdict(summary), f, indent=2)
     if is_main and not preempted:
         print("Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()), flush=True)
+        print(_bytes_line(summary.communication), flush=True)
     return summary
+
+
+def communication_summary(run: Run, abstract_params, steps: int) -> dict[str, Any]:
+    """What one worker sent in the first ``steps`` steps, beside a dense exchange's bytes.
+
+    Exact payload bytes from the compressors (``ExchangeTransformation.bytes_sent``): every
+    phase of the density schedule at its own size, dense leaves all-reduced in their dtype.
+    A hierarchical run counts one device's payload across nodes. Steps skipped for
+    non-finite values still exchange and are counted at the phase of their step number.
+    """
+    exchange = factory.build_exchange(
+        run.config.compression,
+        local_axis=factory.local_axis(run.config),
+        total_steps=run.total_steps,
+    )
+    sent = exchange.bytes_sent(abstract_params, steps, local_size=run.local_devices or 1)
+    dense = rr.exchange.dense_bytes(abstract_params) * steps
+    return {
+        "steps": steps,
+        "bytes_sent_per_worker": sent,
+        "dense_bytes_per_worker": dense,
+        "sent_over_dense": sent / dense if dense else 0.0,
+    }
+
+
+def _bytes_line(c: dict[str, Any]) -> str:
+    return (
+        f"Sent per worker over {c['steps']} steps: {c['bytes_sent_per_worker'] / 2**20:,.2f} "
+        f"MiB, {100 * c['sent_over_dense']:.2f} % of a dense exchange "
+        f"({c['dense_bytes_per_worker'] / 2**20:,.2f} MiB)."
+    )
 
 
 def final_state(workdir: str, step: int | None = None) -> dict[str, Any]:
