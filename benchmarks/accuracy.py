@@ -32,6 +32,22 @@ Tasks (8 simulated CPU workers, top-k at 1 % density):
 * ``byte_gpt_deep_sgdm``: ``byte_gpt_deep`` under SGD-momentum, the same question at
   paper depth (and whether w+2d's gap to EF there is AdamW's).
 
+* ``byte_gpt_finetune``: the paper's regime (Table 4 fine-tunes pre-trained GPT-2 / BERT):
+  the 3-layer byte GPT pre-trained densely on pydoc text (1200 steps, seed 0, cached
+  under ``~/.cache/resireduce_jax/pretrained`` or ``$RR_PRETRAINED_DIR``), then fine-tuned
+  on Python source (``stdlib_source``) with each exchange; seeds change the fine-tuning's
+  data order and keys, not the pre-trained model.
+
+**Recipes** (``--recipes``) are remedies applied on top of a task's config, one row per
+recipe and variant: ``base`` (the config as it is), ``lr_warmup`` (a linear learning-rate
+warm-up over the first 5 % of the steps), ``dense_warmup`` (the first 5 % of the steps
+uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % over the first
+20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
+``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up) and ``recipe`` (the
+configs' recommended default, :data:`RECOMMENDED`). DGC's own memory is the variant ``dgc``
+(SGD tasks). Every run reports the bytes one worker sent over the run against a dense
+exchange's (``summary.json``), so a remedy is judged by quality and bytes together.
+
 Tasks can be added to an earlier result with ``--merge`` (the README's figures were
 produced that way: ``--tasks byte_gpt_deep --merge`` after the first two tasks).
 
@@ -60,8 +76,9 @@ from typing import Any
 
 from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
-# Exchange variants (train/compiled_step.py vocabulary: "+bf16" = bfloat16 residuals).
-VARIANTS = ("dense", "none", "ef", "a", "w", "2d", "w+2d", "w+2d+bf16")
+# Exchange variants (train/compiled_step.py vocabulary: "+bf16" = bfloat16 residuals;
+# "dgc": DGC's own memory, SGD tasks only).
+VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "2d", "w+2d", "w+2d+bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +91,13 @@ class Task:
     unit: str
     default_seeds: int
     description: str
+    pretrain: dict[str, Any] | None = None  # config overrides of a cached dense pre-training
+
+    @property
+    def sgd(self) -> bool:
+        return self.overrides.get("optimizer.name", load_config(self.config).optimizer.name) == (
+            "sgd"
+        )
 
 
 def _byte_gpt_task(overrides: dict[str, Any], *, default_seeds: int, description: str) -> Task:
@@ -107,6 +131,8 @@ _SGD_MOMENTUM = {
     "optimizer.learning_rate": 0.3,
     "optimizer.weight_decay": 0.0,
 }
+
+_FINETUNE_PRETRAIN = {"num_steps": 1200, "eval_every": 1200, "log_every": 100}
 
 TASKS: dict[str, Task] = {
     "digits": Task(
@@ -157,7 +183,57 @@ TASKS: dict[str, Task] = {
         description="the byte_gpt_deep task under SGD-momentum 0.9, learning rate 0.3 (the "
         "3-layer sweep's), clip 1.0, cosine schedule",
     ),
+    # The paper's Table 4 fine-tunes pre-trained models: pre-train densely on English
+    # (pydoc), fine-tune with compression on Python source.
+    "byte_gpt_finetune": dataclasses.replace(
+        _byte_gpt_task(
+            {
+                "num_steps": 600,
+                "dataset": {"name": "stdlib_source", "context_length": 64},
+                "optimizer.learning_rate": 1e-3,
+                "eval_every": 100,
+                "log_every": 20,
+            },
+            default_seeds=3,
+            description="the byte_gpt model pre-trained densely on pydoc text (1200 steps), "
+            "fine-tuned on standard-library Python source, AdamW 1e-3, clip 1.0, cosine",
+        ),
+        pretrain=_FINETUNE_PRETRAIN,
+    ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    description: str
+    adamw: dict[str, Any]  # config overrides on AdamW tasks
+    sgd: dict[str, Any]  # ... and on SGD-momentum tasks
+
+    def overrides(self, task: Task) -> dict[str, Any]:
+        return self.sgd if task.sgd else self.adamw
+
+
+def _both(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return overrides, overrides
+
+
+_DENSE_5 = {"compression.density_schedule.dense_fraction": 0.05}
+RECIPES: dict[str, Recipe] = {
+    "base": Recipe("the task's config", *_both({})),
+    # schedule.warmup_epochs is set from the dataset's epoch length (build_config).
+    "lr_warmup": Recipe("linear LR warm-up over 5 % of the steps", *_both({})),
+    "dense_warmup": Recipe("first 5 % of the steps uncompressed", *_both(_DENSE_5)),
+    "dgc_warmup": Recipe(
+        "DGC warm-up: density 25 %, 6.25 %, 1.5625 % over the first 20 % of the steps",
+        *_both({"compression.density_schedule.dgc_fraction": 0.2}),
+    ),
+    "cm": Recipe(
+        "compressed momentum after 5 % dense steps",
+        {**_DENSE_5, "optimizer.name": "compressed_momentum_adam"},
+        {**_DENSE_5, "optimizer.name": "compressed_momentum_sgd"},
+    ),
+}
+LR_WARMUP_FRACTION = 0.05
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
@@ -183,12 +259,26 @@ def set_dotted(config, key: str, value: Any) -> None:
         node[leaf] = value
 
 
-def build_config(task: Task, variant: str, seed: int, steps: int | None, extra: dict[str, Any]):
+def build_config(
+    task: Task,
+    variant: str,
+    seed: int,
+    steps: int | None,
+    extra: dict[str, Any],
+    recipe: str = "base",
+):
     config = load_config(task.config)
-    for key, value in {**task.overrides, **extra}.items():
+    overrides = {**task.overrides, **RECIPES[recipe].overrides(task), **extra}
+    for key, value in overrides.items():
         set_dotted(config, key, value)
     if steps is not None:
         config.num_steps = steps
+    if recipe == "lr_warmup":
+        from train import input_pipeline
+
+        examples = input_pipeline.get_dataset(config.dataset, seed=seed).num_train_examples
+        steps_per_epoch = examples / (NUM_WORKERS * config.batch_size_per_worker)
+        config.schedule.warmup_epochs = LR_WARMUP_FRACTION * config.num_steps / steps_per_epoch
     from train.compiled_step import with_variant
 
     config = with_variant(config, variant)
@@ -197,6 +287,45 @@ def build_config(task: Task, variant: str, seed: int, steps: int | None, extra: 
     config.checkpoint_every = config.num_steps  # one checkpoint at the end, nothing mid-run
     config.keep_checkpoints = 1
     return config
+
+
+def applicable(task: Task, recipe: str, variant: str) -> bool:
+    """Whether a (recipe, variant) row makes sense on ``task``: dense only as the base, DGC's
+    memory only on SGD tasks and not with compressed momentum."""
+    if variant == "dense":
+        return recipe == "base"
+    if variant == "dgc":
+        return task.sgd and recipe != "cm"
+    return True
+
+
+def pretrained(task: Task) -> str:
+    """The workdir of ``task``'s dense pre-training (seed 0; trained once, then cached):
+    every seed of the fine-tuning starts from the same pre-trained model, as fine-tuning a
+    published checkpoint does."""
+    import hashlib
+
+    from train.train import train_and_evaluate
+
+    config = load_config(task.config)
+    for key, value in {**_byte_gpt_task({}, default_seeds=1, description="").overrides,
+                       **task.pretrain}.items():  # fmt: skip
+        set_dotted(config, key, value)
+    from train.compiled_step import with_variant
+
+    config = with_variant(config, "dense")
+    config.seed = 0
+    config.num_workers = NUM_WORKERS
+    config.checkpoint_every = config.num_steps
+    config.keep_checkpoints = 1
+    key = hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+    root = os.environ.get("RR_PRETRAINED_DIR", os.path.expanduser("~/.cache/resireduce_jax"))
+    workdir = os.path.join(root, "pretrained", f"{task.config}_{key}")
+    done = os.path.join(workdir, "summary.json")
+    if not os.path.exists(done):
+        with contextlib.redirect_stdout(sys.stderr):
+            train_and_evaluate(config, workdir)
+    return workdir
 
 
 def curves(records: list[dict[str, Any]], metric: str, scale: float) -> dict[str, list]:
@@ -210,15 +339,26 @@ def curves(records: list[dict[str, Any]], metric: str, scale: float) -> dict[str
     }
 
 
-def train_one(task_name: str, variant: str, seed: int, steps: int | None, extra, scratch: str):
-    """Trains one (task, variant, seed) in a fresh workdir; returns its record."""
+def train_one(
+    task_name: str,
+    variant: str,
+    seed: int,
+    steps: int | None,
+    extra,
+    scratch: str,
+    recipe: str = "base",
+):
+    """Trains one (task, recipe, variant, seed) in a fresh workdir; returns its record."""
     from train import metrics as metrics_lib
     from train.train import train_and_evaluate
 
     task = TASKS[task_name]
-    config = build_config(task, variant, seed, steps, extra)
-    workdir = tempfile.mkdtemp(prefix=f"{task_name}_{variant}_{seed}_", dir=scratch)
-    log_path = os.path.join(scratch, f"{task_name}_{variant}_seed{seed}.log")
+    config = build_config(task, variant, seed, steps, extra, recipe)
+    if task.pretrain is not None:
+        config.init_from = pretrained(task)
+    name = f"{task_name}_{recipe}_{variant}_seed{seed}"
+    workdir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
+    log_path = os.path.join(scratch, f"{name}.log")
     start = time.perf_counter()
     try:
         with (
@@ -235,9 +375,12 @@ def train_one(task_name: str, variant: str, seed: int, steps: int | None, extra,
     seconds = time.perf_counter() - start
     return {
         "task": task_name,
+        "recipe": recipe,
         "variant": variant,
         "seed": seed,
         "steps": summary.step,
+        "bytes_sent": summary.communication["bytes_sent_per_worker"],
+        "dense_bytes": summary.communication["dense_bytes_per_worker"],
         "final": task.scale * summary.eval[task.metric],
         "final_eval": summary.eval,
         "final_train": summary.train,
@@ -269,39 +412,64 @@ def setting(task_name: str, config) -> dict[str, Any]:
     }
 
 
-def summarize(runs: list[dict[str, Any]], tasks: list[str], variants: list[str]) -> list[dict]:
+def _recipe(run: dict[str, Any]) -> str:
+    return run.get("recipe", "base")
+
+
+def summarize(
+    runs: list[dict[str, Any]],
+    tasks: list[str],
+    variants: list[str],
+    recipes: list[str] | None = None,
+) -> list[dict]:
+    """One row per (task, recipe, variant) with runs: mean, spread, the ratio to the task's
+    dense runs (base recipe), the paired difference to ``ef`` under the same recipe, and
+    the bytes sent against a dense exchange."""
+    recipes = recipes or list(RECIPES)
     rows = []
     for task_name in tasks:
-        by_variant = {
-            v: sorted(
-                (r for r in runs if r["task"] == task_name and r["variant"] == v),
-                key=lambda r: r["seed"],
-            )
-            for v in variants
-        }
-        ef_by_seed = {r["seed"]: r["final"] for r in by_variant.get("ef", [])}
-        for variant in variants:
-            mine = by_variant[variant]
-            if not mine:
-                continue
-            finals = [r["final"] for r in mine]
-            paired = [r["final"] - ef_by_seed[r["seed"]] for r in mine if r["seed"] in ef_by_seed]
-            rows.append(
-                {
-                    "task": task_name,
-                    "variant": variant,
-                    "seeds": [r["seed"] for r in mine],
-                    "finals": finals,
-                    "mean": statistics.fmean(finals),
-                    "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                    "delta_vs_ef": statistics.fmean(paired) if paired and variant != "ef" else None,
-                    "delta_vs_ef_std": statistics.stdev(paired) if len(paired) > 1 else None,
-                    "residual_bytes": mine[0]["residual_bytes"],
-                    "ef_residual_bytes": mine[0]["ef_residual_bytes"],
-                    "skipped_steps": sum(r["skipped_steps"] for r in mine),
-                    "seconds": sum(r["seconds"] for r in mine),
-                }
-            )
+        mine_task = [r for r in runs if r["task"] == task_name]
+        dense = [r["final"] for r in mine_task if r["variant"] == "dense" and _recipe(r) == "base"]
+        for recipe in recipes:
+            by_variant = {
+                v: sorted(
+                    (r for r in mine_task if r["variant"] == v and _recipe(r) == recipe),
+                    key=lambda r: r["seed"],
+                )
+                for v in variants
+            }
+            ef_by_seed = {r["seed"]: r["final"] for r in by_variant.get("ef", [])}
+            for variant in variants:
+                mine = by_variant[variant]
+                if not mine:
+                    continue
+                finals = [r["final"] for r in mine]
+                paired = [
+                    r["final"] - ef_by_seed[r["seed"]] for r in mine if r["seed"] in ef_by_seed
+                ]
+                sent = [r["bytes_sent"] / r["dense_bytes"] for r in mine if r.get("dense_bytes")]
+                mean = statistics.fmean(finals)
+                rows.append(
+                    {
+                        "task": task_name,
+                        "recipe": recipe,
+                        "variant": variant,
+                        "seeds": [r["seed"] for r in mine],
+                        "finals": finals,
+                        "mean": mean,
+                        "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                        "over_dense": mean / statistics.fmean(dense) if dense else None,
+                        "delta_vs_ef": (
+                            statistics.fmean(paired) if paired and variant != "ef" else None
+                        ),
+                        "delta_vs_ef_std": statistics.stdev(paired) if len(paired) > 1 else None,
+                        "sent_over_dense": statistics.fmean(sent) if sent else None,
+                        "residual_bytes": mine[0]["residual_bytes"],
+                        "ef_residual_bytes": mine[0]["ef_residual_bytes"],
+                        "skipped_steps": sum(r["skipped_steps"] for r in mine),
+                        "seconds": sum(r["seconds"] for r in mine),
+                    }
+                )
     return rows
 
 
@@ -314,9 +482,11 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# Accuracy: gradient-exchange variants trained side by side",
         "",
-        "Final eval metric per task and variant, mean ± standard deviation over seeds; Δ vs "
-        "ef is the mean of the per-seed differences, ± their standard deviation. Tasks and "
-        "commands: below the table.",
+        "Final eval metric per task, recipe and variant, mean ± standard deviation over "
+        "seeds; × dense is the mean over the task's dense mean; Δ vs ef is the mean of the "
+        "per-seed differences to ef under the same recipe, ± their standard deviation; sent "
+        "/ dense is the bytes one worker sent over the run against a dense exchange's. "
+        "Tasks, recipes and commands: below the table.",
         "",
     ]
     if not payload.get("complete", True):
@@ -325,9 +495,9 @@ def markdown(payload: dict[str, Any]) -> str:
             "",
         ]
     lines += [
-        "| task | variant | final metric (mean ± std) | seeds | residual bytes / worker "
-        "| vs ef residuals | Δ vs ef |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| task | recipe | variant | final metric (mean ± std) | seeds | × dense | Δ vs ef "
+        "| sent / dense | residual bytes / worker | vs ef residuals |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in payload["summary"]:
         task = TASKS[row["task"]]
@@ -344,11 +514,17 @@ def markdown(payload: dict[str, Any]) -> str:
             delta = f"{row['delta_vs_ef']:+.{digits}f}"
             if row["delta_vs_ef_std"] is not None:
                 delta += f" ± {row['delta_vs_ef_std']:.{digits}f}"
+        over = "" if row.get("over_dense") is None else f"{row['over_dense']:.3f}"
+        sent = "" if row.get("sent_over_dense") is None else f"{row['sent_over_dense']:.2%}"
         lines.append(
-            f"| {row['task']} | {row['variant']} | {value} {task.unit} | {len(row['seeds'])} "
-            f"| {_bytes(row['residual_bytes'])} | {ratio} | {delta} |"
+            f"| {row['task']} | {row.get('recipe', 'base')} | {row['variant']} | {value} "
+            f"{task.unit} | {len(row['seeds'])} | {over} | {delta} | {sent} "
+            f"| {_bytes(row['residual_bytes'])} | {ratio} |"
         )
+    recipes = payload.get("recipes") or ["base"]
     lines += [
+        "",
+        "Recipes: " + "; ".join(f"`{r}`: {RECIPES[r].description}" for r in recipes) + ".",
         "",
         f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
         "only `compression.variant` (and, for w+2d+bf16, `compression.residual_dtype`) differs "
@@ -390,13 +566,17 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
     tasks = list(payload["settings"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.6), squeeze=False)
-    colors = plt.get_cmap("tab10")
     for ax, task_name in zip(axes[0], tasks, strict=True):
         task = TASKS[task_name]
         task_runs = [r for r in payload["runs"] if r["task"] == task_name]
-        for i, variant in enumerate(payload["variants"]):
-            runs = [r for r in task_runs if r["variant"] == variant]
-            if not runs:
+        lines = [
+            (recipe, variant)
+            for recipe in payload.get("recipes") or ["base"]
+            for variant in payload["variants"]
+        ]
+        for i, (recipe, variant) in enumerate(lines):
+            runs = [r for r in task_runs if r["variant"] == variant and _recipe(r) == recipe]
+            if not runs or len({len(r["curves"]["eval_step"]) for r in runs}) != 1:
                 continue
             steps = runs[0]["curves"]["eval_step"]
             values = np.array([r["curves"]["eval_metric"] for r in runs])
@@ -408,11 +588,12 @@ def plot(payload: dict[str, Any], path: str) -> None:
                 marker=".",
                 ms=4,
                 lw=1.6,
-                color=colors(i),
-                label=variant,
+                color=plt.get_cmap("tab20")(i % 20),
+                label=variant if recipe == "base" else f"{variant} ({recipe})",
             )
             if len(runs) > 1:
-                ax.fill_between(steps, values.min(0), values.max(0), color=colors(i), alpha=0.12)
+                color = plt.get_cmap("tab20")(i % 20)
+                ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.12)
         seeds = len({r["seed"] for r in task_runs})
         band = ", band = min–max over seeds" if seeds > 1 else ""
         ax.set_title(f"{task_name}: eval {task.unit}, mean of {seeds} seed(s){band}", fontsize=10)
@@ -441,12 +622,18 @@ def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
     Lets a long benchmark grow one task at a time without retraining the others: settings,
     variants and commands are united, the summary is recomputed from every kept run.
     """
-    fresh = {(r["task"], r["variant"], r["seed"]) for r in now["runs"]}
-    runs = [r for r in before["runs"] if (r["task"], r["variant"], r["seed"]) not in fresh]
+
+    def key(r):
+        return (r["task"], _recipe(r), r["variant"], r["seed"])
+
+    fresh = {key(r) for r in now["runs"]}
+    runs = [r for r in before["runs"] if key(r) not in fresh]
     runs += now["runs"]
     settings = {**before["settings"], **now["settings"]}
     tasks = [t for t in TASKS if t in settings]
     variants = [v for v in VARIANTS if v in set(before["variants"]) | set(now["variants"])]
+    both = set(before.get("recipes") or ["base"]) | set(now.get("recipes") or ["base"])
+    recipes = [r for r in RECIPES if r in both]
     commands = [*before.get("commands", [before["command"]]), now["command"]]
     return {
         **now,
@@ -454,10 +641,11 @@ def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
         "commands": commands,
         "overrides": {**before.get("overrides", {}), **now["overrides"]},
         "variants": variants,
+        "recipes": recipes,
         "complete": before.get("complete", True) and now["complete"],
         "settings": {t: settings[t] for t in tasks},
         "seconds": before["seconds"] + now["seconds"],
-        "summary": summarize(runs, tasks, variants),
+        "summary": summarize(runs, tasks, variants, recipes),
         "runs": runs,
     }
 
@@ -472,6 +660,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["base"],
+        choices=list(RECIPES),
+        help="remedies applied on top of each task's config (module docstring)",
+    )
     parser.add_argument(
         "--seeds",
         type=int,
@@ -520,6 +715,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         with open(args.from_json) as f:
             payload = json.load(f)
+        payload["summary"] = summarize(
+            payload["runs"],
+            list(payload["settings"]),
+            payload["variants"],
+            payload.get("recipes") or ["base"],
+        )
         write_outputs(payload, args.out)
         return
 
@@ -532,17 +733,23 @@ def main(argv: list[str] | None = None) -> None:
     for task_name in args.tasks:  # validate every config before the first run trains
         from train import config_schema
 
-        config = build_config(TASKS[task_name], args.variants[0], 0, args.steps, extra)
-        config_schema.validate(config)
+        for recipe in args.recipes:
+            for variant in args.variants:
+                if applicable(TASKS[task_name], recipe, variant):
+                    config = build_config(TASKS[task_name], variant, 0, args.steps, extra, recipe)
+                    config_schema.validate(config)
+        config = build_config(TASKS[task_name], "ef", 0, args.steps, extra)
         settings[task_name] = setting(task_name, config)
 
     jobs = [
-        (task_name, variant, seed)
+        (task_name, recipe, variant, seed)
         for task_name in args.tasks
         for seed in range(
             args.first_seed, args.first_seed + (args.seeds or TASKS[task_name].default_seeds)
         )
+        for recipe in args.recipes
         for variant in args.variants
+        if applicable(TASKS[task_name], recipe, variant)
     ]
     previous = os.path.join(args.out, "accuracy.json")
     before = None
@@ -560,10 +767,11 @@ def main(argv: list[str] | None = None) -> None:
             "command": command,
             "overrides": overrides,
             "variants": args.variants,
+            "recipes": args.recipes,
             "complete": complete,
             "settings": settings,
             "seconds": time.perf_counter() - start,
-            "summary": summarize(runs, args.tasks, args.variants),
+            "summary": summarize(runs, args.tasks, args.variants, args.recipes),
             "runs": runs,
         }
         return merge_payloads(before, payload) if before is not None else payload
@@ -573,14 +781,15 @@ def main(argv: list[str] | None = None) -> None:
     finished = False
     interrupted = ""
     try:
-        for task_name, variant, seed in bar:
-            bar.set_postfix_str(f"{task_name} {variant} seed {seed}")
-            record = train_one(task_name, variant, seed, args.steps, extra, scratch)
+        for task_name, recipe, variant, seed in bar:
+            bar.set_postfix_str(f"{task_name} {recipe} {variant} seed {seed}")
+            record = train_one(task_name, variant, seed, args.steps, extra, scratch, recipe)
             runs.append(record)
             bar.write(
-                f"{task_name:9s} {variant:10s} seed {seed}: {TASKS[task_name].unit} "
-                f"{record['final']:.3f}  ({record['seconds']:.0f} s, "
-                f"{record['skipped_steps']} skipped)"
+                f"{task_name:9s} {recipe:12s} {variant:10s} seed {seed}: "
+                f"{TASKS[task_name].unit} {record['final']:.3f}  ({record['seconds']:.0f} s, "
+                f"{record['skipped_steps']} skipped, sent "
+                f"{record['bytes_sent'] / record['dense_bytes']:.2%} of dense)"
             )
             if args.merge:  # a long merged run keeps what it has finished
                 partial = results(False)

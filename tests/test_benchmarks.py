@@ -227,6 +227,40 @@ def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
     assert "**Config overrides on every run**: `local_devices=4`." in table
 
 
+def test_accuracy_rows_per_recipe_with_ratio_to_dense_and_bytes_sent():
+    import accuracy
+
+    def run(variant, recipe, seed, final, sent):
+        return {**_run("byte_gpt", variant, seed, final), "recipe": recipe,
+                "bytes_sent": sent, "dense_bytes": 100}  # fmt: skip
+
+    runs = [
+        run("dense", "base", 0, 4.0, 100),
+        run("dense", "base", 1, 4.0, 100),
+        run("ef", "base", 0, 10.0, 4),
+        run("ef", "cm", 0, 5.0, 9),
+        run("ef", "cm", 1, 5.4, 9),
+        run("w+2d", "cm", 0, 5.1, 9),
+        run("w+2d", "cm", 1, 5.7, 9),
+    ]
+    rows = {
+        (r["recipe"], r["variant"]): r
+        for r in accuracy.summarize(runs, ["byte_gpt"], ["dense", "ef", "w+2d"], ["base", "cm"])
+    }
+    assert set(rows) == {("base", "dense"), ("base", "ef"), ("cm", "ef"), ("cm", "w+2d")}
+    assert rows[("cm", "ef")]["over_dense"] == pytest.approx(5.2 / 4.0)
+    assert rows[("cm", "w+2d")]["delta_vs_ef"] == pytest.approx(0.2)  # paired with cm's ef
+    assert rows[("cm", "w+2d")]["sent_over_dense"] == pytest.approx(0.09)
+    assert rows[("base", "ef")]["delta_vs_ef"] is None
+    sgd, adam = accuracy.TASKS["byte_gpt_sgdm"], accuracy.TASKS["byte_gpt"]
+    assert accuracy.applicable(sgd, "dgc_warmup", "dgc")
+    assert not accuracy.applicable(adam, "base", "dgc")  # DGC's memory is SGD's
+    assert not accuracy.applicable(sgd, "cm", "dgc")
+    assert not accuracy.applicable(adam, "cm", "dense")  # dense is the base only
+    assert accuracy.RECIPES["cm"].overrides(sgd)["optimizer.name"] == "compressed_momentum_sgd"
+    assert accuracy.RECIPES["cm"].overrides(adam)["optimizer.name"] == "compressed_momentum_adam"
+
+
 def test_hierarchical_accuracy_reuses_flat_runs_and_merges_by_layout(tmp_path, monkeypatch):
     import accuracy
     import hierarchical
