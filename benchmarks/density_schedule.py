@@ -1,17 +1,20 @@
 """What a density schedule costs at the compiled peak, and what each of its phases sends.
 
 A density schedule (``compression.density_schedule``; ``resireduce_jax.compressors.schedule``)
-runs as one program: each compressed leaf's exchange is a ``lax.switch`` with one
-static-size branch per phase, chosen by the exchange's step count. This script compiles the
-training program's guarded 8-worker train step (``train/compiled_step.py``, abstract shapes,
-nothing allocated) with the constant density and with two schedules, and reports per
+compiles either way: as **one program** whose exchange switches between the phases
+(``lax.switch`` on the step count, one static-size branch per phase: what an optax chain
+gets by default), or as **one program per phase** (``density_phase``: what the training
+program runs, each phase in its steps). This script compiles the training program's
+guarded 8-worker train step (``train/compiled_step.py``, abstract shapes, nothing
+allocated) with the constant density and with two schedules, both ways, and reports per
 worker:
 
-* the compiled peak and temp of each, and the schedule's peak over the constant one's;
-* the bytes every phase's collectives move, read off the compiled HLO (each branch of
-  every conditional, with what it calls), beside the compressors' exact
-  ``payload_bytes`` of that phase summed over the compressed leaves (dense leaves
-  travel outside the branches and are left out of both).
+* the compiled peak of the switching program, of every phase's own program, and each
+  over the constant density's;
+* the bytes every phase's collectives move, read off the compiled HLO of the switching
+  program (each branch of every conditional, with what it calls), beside the
+  compressors' exact ``payload_bytes`` of that phase summed over the compressed leaves
+  (dense leaves travel outside the branches and are left out of both).
 
 Schedules: ``dense``: a dense warm-up, then the target density; ``dgc``: a dense warm-up,
 then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target.
@@ -49,7 +52,7 @@ TOTAL_STEPS = 1000
 
 
 def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
-    """Compiles the case's guarded step with ``schedule``; peak and per-phase bytes."""
+    """Compiles the case's guarded step with ``schedule`` (switching, and per phase)."""
     import jax
     import numpy as np
 
@@ -59,16 +62,22 @@ def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
     case = CASES[model]
     config = case.load()
     config.compression.density_schedule.update(SCHEDULES[schedule])
-    step = compiled_step.compile_step(
-        config,
-        variant=variant,
-        batch_per_worker=case.batch_per_worker,
-        seq_len=case.seq_len,
-        num_workers=NUM_WORKERS,
-        total_steps=TOTAL_STEPS,
-    )
+
+    def compile_phase(density_phase):
+        return compiled_step.compile_step(
+            config,
+            variant=variant,
+            batch_per_worker=case.batch_per_worker,
+            seq_len=case.seq_len,
+            num_workers=NUM_WORKERS,
+            total_steps=TOTAL_STEPS,
+            density_phase=density_phase,
+        )
+
     compressor = factory.build_compressor(config.compression, TOTAL_STEPS)
     phases = rr.compressors.schedule.phases(compressor)
+    phase_peaks = [compile_phase(j).peak.peak for j in range(len(phases))]
+    step = compile_phase(compiled_step.SWITCH_PHASES)  # one program for every phase
     exchange = factory.build_exchange(config.compression, variant=variant)
     plan = exchange.plan(step.params)
     dtypes = [x.dtype for x in jax.tree.leaves(step.params)]
@@ -100,6 +109,7 @@ def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
             for p, e, h in zip(phases, expected, hlo_bytes, strict=True)
         ],
         **step.peak.as_dict(),
+        "phase_peaks": phase_peaks,
         "compile_seconds": step.compile_seconds,
     }
 
@@ -110,13 +120,15 @@ def render(payload: dict[str, Any]) -> str:
     lines = [
         "# Density schedules: compiled peak and bytes per phase",
         "",
-        "| model | variant | schedule | phases | peak MiB | temp MiB | peak / constant |"
-        " phase bytes (HLO = payload) |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| model | variant | schedule | phases | one program: peak MiB | / constant "
+        "| program per phase: peaks MiB | max / constant | phase bytes (HLO = payload) |",
+        "|---|---|---|---:|---:|---:|---|---:|---|",
     ]
     for r in rows:
         ref = base.get((r["model"], r["variant"]))
         ratio = f"{r['peak'] / ref['peak']:.3f}" if ref else "—"
+        per_phase = ", ".join(f"{p / MiB:.1f}" for p in r["phase_peaks"])
+        worst = f"{max(r['phase_peaks']) / ref['peak']:.3f}" if ref else "—"
         if r["phases"][0]["hlo_bytes"] is None:
             phase_bytes = f"{r['phases'][0]['payload_bytes']:,} (one phase, no branch)"
         else:
@@ -125,7 +137,7 @@ def render(payload: dict[str, Any]) -> str:
             phase_bytes = f"{listed} ({'equal' if same else 'DIFFER'})"
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['schedule']} | {len(r['phases'])} | "
-            f"{r['peak'] / MiB:.1f} | {r['temp'] / MiB:.1f} | {ratio} | {phase_bytes} |"
+            f"{r['peak'] / MiB:.1f} | {ratio} | {per_phase} | {worst} | {phase_bytes} |"
         )
     lines += [
         "",

@@ -22,8 +22,9 @@ warm-up:
   global norm), and the exchange sends it compressed with error feedback: the new
   :math:`m = \frac1N\sum_i D(Q(m_i + e_i))`, :math:`e_i \leftarrow m_i + e_i -
   D(Q(m_i + e_i))`; :math:`v` is not updated;
-* when :math:`v` freezes it is floored per leaf (``nu_floor``, beyond the paper: a
-  coordinate the warm-up saw no gradient for would otherwise be divided by :math:`ε`);
+* after the warm-up the frozen :math:`v` is floored per leaf where it divides
+  (``nu_floor``, beyond the paper: a coordinate the warm-up saw no gradient for would
+  otherwise be divided by :math:`ε`);
 * every step: :math:`u = -η_t\big(\hat m/(\sqrt{\hat v} + ε) + λ p\big)` with
   :math:`\hat m = m/(1-β_1^t)` and :math:`\hat v = v/(1-β_2^{\min(t, T_w)})` (decoupled
   weight decay :math:`λ`, as AdamW).
@@ -165,6 +166,7 @@ class _CompressedMomentum:
         params: optax.Params | None = None,
         *,
         skip: jax.Array | None = None,
+        density_phase: int | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, CompressedMomentumState]:
         del extra_args
@@ -179,7 +181,10 @@ class _CompressedMomentum:
             warm = jnp.ones([], bool)
             frozen_at = count_inc
         else:
-            warm = state.count < self.warmup
+            if density_phase is None:  # the exchange switches phases on the count, as here
+                warm = state.count < self.warmup
+            else:  # one program per phase: the leading dense phase is phase 0
+                warm = jnp.asarray(self.warmup > 0 and density_phase == 0)
             frozen_at = jnp.minimum(count_inc, max(self.warmup, 1))
         lr = value_at(self.learning_rate, state.count)
         decay = value_at(self.weight_decay, state.count)
@@ -197,7 +202,12 @@ class _CompressedMomentum:
         bias2 = 1 - b2**frozen_at
         scaled = self.adam and self.compressed == "update"
 
-        def denominator(nu):  # sqrt(v_hat) + eps, fixed once v is frozen
+        def denominator(nu):
+            """sqrt(v_hat) + eps; after the warm-up v is frozen, floored at ``nu_floor``
+            of its leaf's mean."""
+            if self.nu_floor:
+                floored = jnp.maximum(nu, self.nu_floor * jnp.mean(nu))
+                nu = jnp.where(warm, nu, floored)
             return jnp.sqrt(nu / bias2.astype(nu.dtype)) + self.eps
 
         def to_send(g, mu, nu):
@@ -211,10 +221,11 @@ class _CompressedMomentum:
 
         nus = state.nu if self.adam else jax.tree.map(lambda _: None, state.mu)
         sent = jax.tree.map(to_send, updates, state.mu, nus)
-        means, exchange_state = self.exchange.update(sent, state.exchange, params, skip=skip)
+        means, exchange_state = self.exchange.update(
+            sent, state.exchange, params, skip=skip, density_phase=density_phase
+        )
         if self.max_grad_norm is not None:
             mean_factor = clip_factor(global_norm(means), self.max_grad_norm)
-        freezes = state.count + 1 == (self.warmup or -1)  # the warm-up's last step
 
         def leaf(mean, mu, nu, p, decayed):
             g = mean
@@ -224,9 +235,6 @@ class _CompressedMomentum:
             mu_new = jnp.where(warm, self._momentum(g, mu), momentum.astype(mu.dtype))
             if self.adam:
                 nu_new = jnp.where(warm, (1 - b2) * (g * g) + b2 * nu, nu)
-                if self.nu_floor:  # frozen from now on: no coordinate below its leaf's floor
-                    floor = self.nu_floor * jnp.mean(nu_new)
-                    nu_new = jnp.where(freezes, jnp.maximum(nu_new, floor), nu_new)
                 bias1 = (1 - b1**count_inc).astype(mu_new.dtype)
                 u = (mu_new / bias1) / denominator(nu_new)
                 if decayed:
@@ -287,13 +295,16 @@ def compressed_momentum_adam(
       mask: which leaves are decayed (as ``optax.adamw``).
       max_grad_norm: clip by global L2 norm: the mean gradient during the warm-up, each
         worker's local gradient afterwards (before it enters the momentum).
-      nu_floor: when :math:`v` freezes, each coordinate's :math:`v` is raised to at least
-        ``nu_floor`` times its leaf's mean :math:`v`. A coordinate that had (almost) no
+      nu_floor: after the warm-up, each coordinate is divided by at least
+        :math:`\sqrt{\texttt{nu\_floor}\,\bar v}`, :math:`\bar v` its leaf's mean frozen
+        :math:`v` (the state keeps :math:`v` as it was). A coordinate that had (almost) no
         gradient during the warm-up (an input feature that was zero in every warm-up
         batch) would otherwise be divided by :math:`ε` once its gradient appears, and its
         step would be unbounded; with the floor it is at most
         :math:`1/\sqrt{\texttt{nu\_floor}}` times its leaf's typical step. ``0`` freezes
-        :math:`v` as it is (Tang et al.).
+        :math:`v` as it is (Tang et al.). ``density_phase`` (an extra argument of
+        ``update``, a Python int): compile one phase of the exchange's schedule; the
+        warm-up is then phase 0.
       compressed: what each worker compresses after the warm-up: ``"momentum"`` (its
         momentum, Tang et al.), or ``"update"``: its momentum divided by the frozen
         :math:`\sqrt{\hat v} + ε`, the update's direction, so that the compressor keeps

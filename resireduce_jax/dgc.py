@@ -253,6 +253,7 @@ class _DGCMemory:
         params: PyTree | None = None,
         *,
         skip: jax.Array | None = None,
+        density_phase: int | None = None,
         **extra_args: Any,
     ) -> tuple[PyTree, DGCState]:
         """One DGC step. ``skip``: optional boolean scalar, equal on every worker.
@@ -260,6 +261,7 @@ class _DGCMemory:
         On a skipped step the output is zero and every state leaf (``u``, ``v``, dense
         momentum, count, compressor state) is returned unchanged bit for bit; the
         collectives still run (their shapes are static) on the unchanged ``v``.
+        ``density_phase``: as in the exchange transforms (one program per phase).
         """
         del params, extra_args
         check_axis_bound(self.axis_name)
@@ -270,6 +272,7 @@ class _DGCMemory:
         cstates = treedef.flatten_up_to(state.compressor_state)
         m = self.momentum
 
+        static = schedule.static_phase(self.phases, density_phase)
         phase = schedule.phase_index([p.start for p in self.phases], state.count)
         factor = None
         if self.clip_norm is not None:  # §3.2: local threshold c / sqrt(N)
@@ -310,8 +313,8 @@ class _DGCMemory:
                     sent = jnp.where(skip, jnp.int32(v.size), sent)
                 return mean, _zero_at(u, sent), v, cstate
 
-            if len(self.phases) == 1:
-                mean, new_us[i], new_vs[i], cstate = send(self.compressor, u, v, cstates[i])
+            if static is not None:
+                mean, new_us[i], new_vs[i], cstate = send(static, u, v, cstates[i])
             else:  # one static-size branch per phase of the density schedule
                 branches = [functools.partial(send, p.compressor) for p in self.phases]
                 mean, new_us[i], new_vs[i], cstate = lax.switch(phase, branches, u, v, cstates[i])

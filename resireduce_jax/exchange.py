@@ -353,8 +353,22 @@ class _Exchange:
 
     # ---------------------------------------------------------------------- update
 
-    def update(self, updates, state: ExchangeState, params=None, *, skip=None, **extra_args):
+    def update(
+        self,
+        updates,
+        state: ExchangeState,
+        params=None,
+        *,
+        skip=None,
+        density_phase: int | None = None,
+        **extra_args,
+    ):
         """One exchange. ``skip``: optional boolean scalar, equal on every worker.
+
+        ``density_phase``: a Python int, the phase of the compressor's density schedule to
+        compile statically (one program per phase, each with its own compiled peak);
+        ``None`` (default): one program that switches between the phases on the step
+        count (``lax.switch``: the peak of every phase's branch at once).
 
         On a skipped step the output is zero, ``count`` and the compressor state do not
         change, shared and intra-layer stores keep their residual exactly, and a leaf's
@@ -378,6 +392,7 @@ class _Exchange:
         for i, shard in shards.items():
             leaves[i] = _node_mean_shard(shard, leaves[i])
 
+        static = schedule.static_phase(self.phases, density_phase)
         phase = schedule.phase_index([p.start for p in self.phases], state.count)
 
         def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
@@ -391,8 +406,8 @@ class _Exchange:
                 reduced = compressor.reduce(x, cstate, key, payload_axes, skip=residual_skip)
                 return reduced.mean, reduced.residual, reduced.state
 
-            if len(self.phases) == 1:
-                mean, residual, cstate = reduce_with(self.compressor, x, cstates[i])
+            if static is not None:
+                mean, residual, cstate = reduce_with(static, x, cstates[i])
             else:  # one static-size branch per phase of the density schedule
                 branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
                 mean, residual, cstate = lax.switch(phase, branches, x, cstates[i])

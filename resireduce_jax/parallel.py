@@ -369,7 +369,9 @@ class DataParallelStep:
     max_steps_in_flight: int | None = None
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
-    _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    _steps: dict[int | None, Callable[..., Any]] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
     _in_flight: collections.deque = dataclasses.field(default_factory=collections.deque, repr=False)
 
     @property
@@ -403,9 +405,11 @@ class DataParallelStep:
             self._init = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=specs))
         return params, self._init(params)
 
-    def _build(self) -> Callable[..., Any]:
+    def _build(self, density_phase: int | None = None) -> Callable[..., Any]:
         axis, specs = self.worker_axes, self.state_specs
         guarded = _has_guard(specs)
+        # A static phase of the exchange's density schedule: one program per phase.
+        phase = {} if density_phase is None else {"density_phase": density_phase}
 
         def body(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
@@ -447,10 +451,12 @@ class DataParallelStep:
                 out, partners = grad_fn(local_params), None
             if guarded:
                 (loss, (new_model_state, aux)), grads, loss_ok = out
-                updates, opt_state = self.tx.update(grads, opt_state, params, loss_ok=loss_ok)
+                updates, opt_state = self.tx.update(
+                    grads, opt_state, params, loss_ok=loss_ok, **phase
+                )
             else:
                 (loss, (new_model_state, aux)), grads = out
-                updates, opt_state = self.tx.update(grads, opt_state, params)
+                updates, opt_state = self.tx.update(grads, opt_state, params, **phase)
             _assert_invariant(updates, axis)
             # Write each new weight in place only once the backward pass has read the old
             # one (docs/design.md, "Residuals at the compiled peak"). The barriers are
@@ -474,16 +480,16 @@ class DataParallelStep:
         )
         return jax.jit(fn, donate_argnums=(0, 1, 2) if self.donate else ())
 
-    def lower(self, params, opt_state, *args):
+    def lower(self, params, opt_state, *args, density_phase: int | None = None):
         """``jax.jit(...).lower`` of the step, for HLO and memory inspection."""
-        return self._jitted().lower(*self._full_args(params, opt_state, *args))
+        return self._jitted(density_phase).lower(*self._full_args(params, opt_state, *args))
 
-    def _jitted(self):
+    def _jitted(self, density_phase: int | None = None):
         if self.state_specs is None:
             raise ValueError("Call init(params) before the first step.")
-        if self._step is None:
-            self._step = self._build()
-        return self._step
+        if density_phase not in self._steps:
+            self._steps[density_phase] = self._build(density_phase)
+        return self._steps[density_phase]
 
     def _full_args(self, params, opt_state, *args):
         expected = 1 + int(self.with_model_state) + int(self.with_rng)
@@ -506,14 +512,20 @@ class DataParallelStep:
             return self.max_steps_in_flight
         return CPU_STEPS_IN_FLIGHT if self.mesh.devices.flat[0].platform == "cpu" else None
 
-    def __call__(self, params, opt_state, *args):
-        """One step. Returns ``(params, opt_state[, model_state], metrics)``."""
+    def __call__(self, params, opt_state, *args, density_phase: int | None = None):
+        """One step. Returns ``(params, opt_state[, model_state], metrics)``.
+
+        ``density_phase``: a Python int, the phase of the exchange's density schedule this
+        step is in (:func:`resireduce_jax.compressors.schedule.phase_at`); each phase is
+        compiled once into its own program, with its own compiled peak. ``None``
+        (default): one program that switches phases on the exchange's step count.
+        """
         full = self._full_args(params, opt_state, *args)
         limit = self.steps_in_flight_limit
         if limit is not None:
             while len(self._in_flight) >= limit:
                 jax.block_until_ready(self._in_flight.popleft())
-        params, opt_state, new_ms, metrics = self._jitted()(*full)
+        params, opt_state, new_ms, metrics = self._jitted(density_phase)(*full)
         if limit is not None:
             self._in_flight.append(metrics)
         if self.with_model_state:

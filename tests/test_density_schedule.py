@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -288,3 +289,53 @@ def test_resuming_mid_schedule_is_bit_identical():
         out, restored = fn(rr.parallel.replicated(params, mesh), restored, g)
         for name in SHAPES:
             np.testing.assert_array_equal(np.asarray(out[name]), whole[t][name])
+
+
+def test_one_program_per_phase_trains_exactly_as_the_switching_program():
+    """DataParallelStep(density_phase=j) compiles phase j alone; stepping each phase's
+    program in its steps gives the switching program's parameters (to float32 rounding:
+    XLA fuses a branch of a conditional apart from the code around it)."""
+    sched = rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02})
+    rng = np.random.default_rng(12)
+    params = {
+        "w1": rng.normal(0, 0.1, (40, 60)).astype(np.float32),
+        "w2": rng.normal(0, 0.1, (60, 30)).astype(np.float32),
+    }
+    batches = [
+        {"x": rng.normal(size=(W * 4, 40)).astype(np.float32),
+         "y": rng.normal(size=(W * 4, 30)).astype(np.float32)}
+        for _ in range(6)
+    ]  # fmt: skip
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    found = schedule.phases(rr.compressors.topk(sched))
+
+    def train(static):
+        tx = rr.skip_nonfinite(
+            rr.compressed_momentum_adam(
+                1e-2,
+                rr.resireduce(
+                    rr.compressors.topk(sched),
+                    min_size=MIN_SIZE,
+                    grouping=rr.grouping.auto(),
+                    inter="weighted",
+                ),
+            )
+        )
+        mesh = th.mesh(W)
+        step = rr.parallel.data_parallel_step(loss, tx, mesh)
+        p, s = step.init(jax.tree.map(np.copy, params))
+        for t, b in enumerate(batches):
+            phase = schedule.phase_at(found, t) if static else None
+            p, s, _ = step(p, s, rr.parallel.shard_batch(b, mesh), density_phase=phase)
+        return jax.device_get(p), len(step._steps)
+
+    switched, programs = train(static=False)
+    per_phase, static_programs = train(static=True)
+    assert (programs, static_programs) == (1, 3)
+    for k in params:
+        np.testing.assert_allclose(per_phase[k], switched[k], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="density_phase=3"):
+        schedule.static_phase(found, 3)

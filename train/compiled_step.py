@@ -54,6 +54,8 @@ __all__ = [
 ]
 
 AXIS = "data"  # train.train.AXIS
+# compile_step(density_phase=SWITCH_PHASES): no static phase, the exchange's lax.switch.
+SWITCH_PHASES = "switch"
 BF16_SUFFIX = "+bf16"
 MiB = 2**20
 
@@ -218,6 +220,7 @@ def compile_step(
     steps_per_epoch: float = 100.0,
     total_steps: int = 1000,
     task: tasks.Task | None = None,
+    density_phase: int | str | None = None,
 ) -> CompiledStep:
     """Compiles the donated data-parallel train step of ``config`` with residual ``variant``.
 
@@ -225,6 +228,9 @@ def compile_step(
     ``jax.ShapeDtypeStruct``s with the shardings the training program uses. Defaults come
     from the config (``compression.variant``, ``batch_size_per_worker``, ``num_workers``);
     ``task`` replaces the one built from ``model`` (e.g. a run's rematerialized model).
+    ``density_phase``: the phase of ``compression.density_schedule`` to compile (the
+    training program compiles one step per phase); default the last, the steady state;
+    :data:`SWITCH_PHASES`: one program that switches between the phases at run time.
     """
     config = with_variant(config, variant)
     batch_per_worker = batch_per_worker or config.batch_size_per_worker
@@ -248,8 +254,15 @@ def compile_step(
     model_state = _on(replicated, variables)
     global_batch = _on(NamedSharding(mesh, P(axes)), batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    phases = len(factory.density_phases(config, total_steps))
+    if phases == 1 or density_phase == SWITCH_PHASES:
+        phase = None
+    else:
+        phase = phases - 1 if density_phase is None else density_phase
     start = time.perf_counter()
-    compiled = step.lower(sharded_params, opt_state, model_state, global_batch, rng).compile()
+    compiled = step.lower(
+        sharded_params, opt_state, model_state, global_batch, rng, density_phase=phase
+    ).compile()
     seconds = time.perf_counter() - start
     return CompiledStep(compiled, params, tx, seconds, variant=variant_label(config), mesh=mesh)
 

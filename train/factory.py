@@ -61,6 +61,7 @@ __all__ = [
     "build_schedule",
     "build_store_plans",
     "build_tx",
+    "density_phases",
     "density_schedule",
     "local_axis",
     "resireduce_arguments",
@@ -106,6 +107,16 @@ def density_schedule(
     stages = rr.compressors.schedule.dgc_stages(comp.density, **shape)
     stage_steps = max(1, round(s.dgc_fraction * total_steps / max(len(stages), 1)))
     return rr.compressors.dgc_warmup(comp.density, stage_steps, dense_steps=dense, **shape)
+
+
+def density_phases(
+    config: ml_collections.ConfigDict, total_steps: int, variant: str | None = None
+) -> tuple[rr.compressors.schedule.Phase, ...]:
+    """The phases of the run's exchange (one, unless ``compression.density_schedule`` is
+    on): the training program compiles one step per phase and runs each in its steps."""
+    if (variant or config.compression.variant) == "dense":
+        return rr.compressors.schedule.phases(rr.compressors.none())
+    return rr.compressors.schedule.phases(build_compressor(config.compression, total_steps))
 
 
 def build_compressor(

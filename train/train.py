@@ -543,6 +543,8 @@ def train_and_evaluate(
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     skipped_seen = int(jax.device_get(opt_state.skipped))
+    # One compiled step per phase of the density schedule, each run in its steps.
+    phases = factory.density_phases(config, run.total_steps)
     step = start
     preempted = False
     try:
@@ -553,8 +555,9 @@ def train_and_evaluate(
                 run.worker_axes,
             )
             rng = jax.random.fold_in(base_key, step)
+            phase = rr.compressors.schedule.phase_at(phases, step) if len(phases) > 1 else None
             params, opt_state, model_state, step_metrics = step_fn(
-                params, opt_state, model_state, batch, rng
+                params, opt_state, model_state, batch, rng, density_phase=phase
             )
             step += 1
             for callback in STEP_CALLBACKS:

@@ -42,9 +42,11 @@ __all__ = [
     "dense_warmup",
     "dgc_stages",
     "dgc_warmup",
+    "phase_at",
     "phase_index",
     "phases",
     "piecewise",
+    "static_phase",
     "with_dense_start",
 ]
 
@@ -258,6 +260,31 @@ def phases(compressor: Any) -> tuple[Phase, ...]:
         Phase(s, NoCompression() if d == 1.0 else dataclasses.replace(compressor, **{field: d}))
         for s, d in zip(schedule.starts, schedule.densities, strict=True)
     )
+
+
+def static_phase(found: Sequence[Phase], density_phase: int | None) -> Any | None:
+    """The compressor to compile statically: the only phase, or phase ``density_phase``
+    (a Python int) of several; ``None`` when the phase must be chosen at run time."""
+    if len(found) == 1:
+        return found[0].compressor
+    if density_phase is None:
+        return None
+    if isinstance(density_phase, bool) or not isinstance(density_phase, int):
+        raise ValueError(
+            f"density_phase must be a Python int (one compiled program per phase), got "
+            f"{density_phase!r}; leave it out to switch between phases at run time."
+        )
+    if not 0 <= density_phase < len(found):
+        raise ValueError(
+            f"density_phase={density_phase}, but the density schedule has {len(found)} "
+            f"phases (0 to {len(found) - 1})."
+        )
+    return found[density_phase].compressor
+
+
+def phase_at(found: Sequence[Phase], step: int) -> int:
+    """The phase (a Python int) that step ``step`` falls in."""
+    return sum(step >= p.start for p in found[1:])
 
 
 def phase_index(starts: Sequence[int], count: jax.Array) -> jax.Array:
