@@ -32,12 +32,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
     "BLOCK_BYTES",
     "MAX_BLOCKS",
     "add_into",
+    "add_slices",
     "block_indices",
     "flat_index",
     "gather_as",
@@ -130,6 +132,36 @@ def add_into(x: jax.Array, y: jax.Array, scale: jax.Array | None = None) -> jax.
         return block + (part if scale is None else scale * part)
 
     return map_blocks(x, add)
+
+
+def add_slices(x: jax.Array, values: jax.Array, start: int, index: Any) -> jax.Array:
+    """``x`` with ``values[index[i]]`` added to the slice ``x[start + i]`` for every ``i``,
+    written over ``x``'s buffer block by block (:func:`map_blocks`; ``x`` must not be read
+    afterwards).
+
+    For a layer stack seen slice-major (``x``: ``[slices, *shape]``) and residuals kept
+    for runs of its slices (``values``: ``[n, *shape]``, ``index``: a static int array
+    mapping each slice of the run to its residual): one residual per slice, or one per
+    group of adjacent slices. ``x`` is mapped as rows of its slices (``[slices * a, c]``
+    for slices ``(a, c)``), each block reading the residual rows it needs, cast to ``x``'s
+    dtype (a 16-bit ``values`` through :func:`read_in_loop`); slices outside the run are
+    left as they are, bit for bit.
+    """
+    slices = x.shape[0]
+    a = x.shape[1] if x.ndim > 2 else 1
+    c = math.prod(x.shape[1:]) // a
+    table = np.full(slices, -1, np.int32)
+    table[start : start + len(index)] = index
+    table = jnp.asarray(table)
+    rows_of = values.reshape(values.shape[0], a, c)
+
+    def add(block, row0):
+        rows = row0 + lax.iota(jnp.int32, block.shape[0])
+        which = table[rows // a]
+        part = gather_as(rows_of, (jnp.maximum(which, 0), rows % a), block.dtype)
+        return jnp.where((which >= 0)[:, None], block + part, block)
+
+    return map_blocks(x.reshape(slices * a, c), add).reshape(x.shape)
 
 
 def block_indices(block: jax.Array, row0: jax.Array) -> tuple[jax.Array, jax.Array]:

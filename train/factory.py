@@ -52,6 +52,7 @@ __all__ = [
     "build_schedule",
     "build_store_plans",
     "build_tx",
+    "layer_stacks",
     "local_axis",
     "resireduce_arguments",
 ]
@@ -91,6 +92,14 @@ def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
     return rr.grouping.auto(comp.max_group_size or None)
 
 
+def layer_stacks(config: ml_collections.ConfigDict) -> dict[str, int] | None:
+    """The exchange's ``layer_stacks`` for the config's model: ``{"h": 0}`` for GPT-2 with
+    ``model.scan_layers`` (its blocks scanned), ``None`` for a model written out."""
+    return rr.models.get_config(
+        config.model.name, **config_schema.model_overrides(config)
+    ).layer_stacks
+
+
 def local_axis(config: ml_collections.ConfigDict) -> str | None:
     """The mesh axis of a node's devices when ``config.local_devices`` is set, else ``None``."""
     return rr.parallel.LOCAL_AXIS if config_schema.local_devices(config) else None
@@ -102,14 +111,16 @@ def build_exchange(
     variant: str | None = None,
     axis_name: str = "data",
     local_axis: str | None = None,
+    layer_stacks: dict[str, int] | None = None,
 ) -> optax.GradientTransformation:
     """The gradient-exchange transform of a residual ``variant`` (default: the config's).
 
     ``local_axis``: the hierarchical exchange over a node's devices (``config.local_devices``;
-    :func:`local_axis`), ``None``: flat.
+    :func:`local_axis`), ``None``: flat. ``layer_stacks``: the model's stacked layers
+    (:func:`layer_stacks`), ``None``: none.
     """
     variant = variant or comp.variant
-    options = {"min_size": comp.min_size, "local_axis": local_axis}
+    options = {"min_size": comp.min_size, "local_axis": local_axis, "layer_stacks": layer_stacks}
     if variant == "dense":
         return rr.compressed_mean(rr.compressors.none(), axis_name, **options)
     compressor = build_compressor(comp)
@@ -118,7 +129,11 @@ def build_exchange(
     if variant == "ef":
         return rr.error_feedback(compressor, axis_name, **options)
     return rr.resireduce(
-        compressor, axis_name, local_axis=local_axis, **_resireduce_options(comp, variant)
+        compressor,
+        axis_name,
+        local_axis=local_axis,
+        layer_stacks=layer_stacks,
+        **_resireduce_options(comp, variant),
     )
 
 
@@ -147,15 +162,19 @@ def build_store_plans(
     *,
     local_axis: str | None = None,
     local_size: int = 1,
+    layer_stacks: dict[str, int] | None = None,
 ) -> list | None:
     """ResiReduce's residual store plans for ``params`` (``None`` for other variants).
 
     With ``local_axis`` and ``local_size > 1`` (the hierarchical exchange) every plan is one
     device's shard (:func:`resireduce_jax.residual_stores.shard_store`), as the transform
-    built by :func:`build_exchange` with that ``local_axis`` keeps it.
+    built by :func:`build_exchange` with that ``local_axis`` keeps it. With
+    ``layer_stacks`` the plans are those of the unstacked params (one unit per slice).
     """
     if resireduce_arguments(comp.variant) is None:
         return None
+    if layer_stacks is not None:
+        params = rr.layer_stacks.layout(params, rr.layer_stacks.check(layer_stacks)).view()
     plans = rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
     if local_axis is not None and local_size > 1:
         plans = [rr.residual_stores.shard_store(p, local_axis, local_size) for p in plans]
@@ -250,7 +269,10 @@ def build_tx(
     of a config with ``local_devices``); ``None``: flat.
     """
     schedule = build_schedule(config, steps_per_epoch, total_steps)
-    return optax.chain(
-        build_exchange(config.compression, variant=variant, local_axis=local_axis),
-        build_optimizer(config, schedule),
+    exchange = build_exchange(
+        config.compression,
+        variant=variant,
+        local_axis=local_axis,
+        layer_stacks=layer_stacks(config),
     )
+    return optax.chain(exchange, build_optimizer(config, schedule))
