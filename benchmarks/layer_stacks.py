@@ -110,7 +110,7 @@ def train_case(scan: bool, steps: int, seed: int, scratch: str) -> dict[str, Any
     with contextlib.redirect_stdout(io.StringIO()):
         summary = train.train_and_evaluate(config, workdir)
     wall = time.perf_counter() - wall
-    params = _final_params(workdir)
+    params = train.final_state(workdir)["params"]
     if scan:
         params = scan_lib.unstack_layers(params, "h")
     flat = {
@@ -125,18 +125,6 @@ def train_case(scan: bool, steps: int, seed: int, scratch: str) -> dict[str, Any
         "wall_seconds": wall,
         "params": flat,
     }
-
-
-def _final_params(workdir: str) -> Any:
-    """The parameters of the newest checkpoint in ``workdir`` (host arrays)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    with ocp.CheckpointManager(os.path.join(workdir, "checkpoints")) as manager:
-        state = manager.restore(
-            manager.latest_step(), args=ocp.args.Composite(state=ocp.args.StandardRestore())
-        )["state"]
-    return jax.device_get(state["params"])
 
 
 def accuracy_part(steps: int, seed: int) -> dict[str, Any]:

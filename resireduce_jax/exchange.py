@@ -586,18 +586,12 @@ class _Exchange:
         for batch in stack_plan.batches:
             own[batch.start : batch.stop] = batch.plan.kind == "leaf"
         if skip is None or not own.any():
-            residual_skip, skip_axis = None, None
+            residual_skip = None
         elif own.all():
-            residual_skip, skip_axis = skip, None
+            residual_skip = skip
         else:
-            residual_skip, skip_axis = jnp.logical_and(skip, jnp.asarray(own)), 0
-
-        def reduce(x, cstate, key, residual_skip):
-            return self.compressor.reduce(x, cstate, key, payload_axes, skip=residual_skip)
-
-        reduced = jax.vmap(reduce, in_axes=(0, 0, None if keys is None else 0, skip_axis))(
-            x, cstate, keys, residual_skip
-        )
+            residual_skip = jnp.logical_and(skip, jnp.asarray(own))
+        reduced = self.compressor.reduce_slices(x, cstate, keys, payload_axes, residual_skip)
         mean = reduced.mean
         if shard is not None:
             mean = jax.vmap(functools.partial(_gather_shards, shard))(mean)

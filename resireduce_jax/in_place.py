@@ -81,7 +81,9 @@ def _block_rows(rows: int, cols: int, itemsize: int) -> int:
     return -(-rows // blocks)
 
 
-def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+def map_blocks(
+    x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array], *, slices: int = 1
+) -> jax.Array:
     """``fn`` applied to ``x`` row block by row block, in ``x``'s own buffer.
 
     Args:
@@ -90,13 +92,17 @@ def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) ->
         rows ``row0 ...`` of ``x``'s rows view (``x.reshape(x.shape[0], -1)``, or a 1-D
         ``x`` cut into rows) and ``row0`` a traced int32. It must be elementwise in the
         block's position (see :func:`flat_index`).
+      slices: ``x`` is this many equal slices along its axis 0 (a layer stack,
+        :mod:`resireduce_jax.layer_stacks`): the rows view is every slice's rows
+        (``x.reshape(slices * x.shape[1], -1)``) and blocks are sized as for one slice,
+        so a stack is mapped in blocks as small as one of its layers would be.
 
     Returns:
       ``x`` with every element mapped, shaped like ``x``.
     """
-    m = _rows_view(x)
+    m = x.reshape(slices * x.shape[1], -1) if slices > 1 and x.ndim > 2 else _rows_view(x)
     rows, cols = m.shape
-    b = _block_rows(rows, cols, x.dtype.itemsize)
+    b = _block_rows(rows // slices, cols, x.dtype.itemsize)
     if b >= rows:
         return fn(m, jnp.zeros([], jnp.int32)).reshape(x.shape)
     full = rows // b
@@ -161,7 +167,7 @@ def add_slices(x: jax.Array, values: jax.Array, start: int, index: Any) -> jax.A
         part = gather_as(rows_of, (jnp.maximum(which, 0), rows % a), block.dtype)
         return jnp.where((which >= 0)[:, None], block + part, block)
 
-    return map_blocks(x.reshape(slices * a, c), add).reshape(x.shape)
+    return map_blocks(x.reshape(slices, a, c), add, slices=slices).reshape(x.shape)
 
 
 def block_indices(block: jax.Array, row0: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -197,25 +203,27 @@ def signed_at(magnitude: jax.Array, bits: jax.Array, index: jax.Array) -> jax.Ar
     return jnp.where(negative_at(bits, index), -magnitude, magnitude)
 
 
-def magnitudes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def magnitudes(x: jax.Array, *, slices: int = 1) -> tuple[jax.Array, jax.Array]:
     """``(|x|, sign_bits(x))`` with ``|x|`` written over ``x``'s buffer.
 
-    ``x`` must not be read afterwards; :func:`with_signs` gives it back.
+    ``x`` must not be read afterwards; :func:`with_signs` gives it back. ``slices``: ``x``
+    is a layer stack of that many slices (:func:`map_blocks`).
     """
     bits = sign_bits(x)
     x, bits = lax.optimization_barrier((x, bits))  # the signs are read before |x| overwrites x
-    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block))
+    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block), slices=slices)
     # Readers of |x| read the buffer: no fusion recomputes abs from x, which would keep x alive.
     return lax.optimization_barrier((magnitude, bits))
 
 
-def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
-    """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer."""
+def with_signs(magnitude: jax.Array, bits: jax.Array, *, slices: int = 1) -> jax.Array:
+    """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer
+    (``slices``: as in :func:`magnitudes`)."""
 
     def restore(block, row0):
         return jnp.where(negative_at(bits, flat_index(block, row0)), -block, block)
 
-    return map_blocks(magnitude, restore)
+    return map_blocks(magnitude, restore, slices=slices)
 
 
 def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:

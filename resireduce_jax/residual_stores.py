@@ -368,31 +368,32 @@ class WeightedSum(NamedTuple):
     def of_groups(cls, r: jax.Array, weights: jax.Array, sizes: tuple[int, ...]) -> WeightedSum:
         """The sums of consecutive groups of slices: group ``g`` is the next ``sizes[g]``
         slices of ``r`` (``[sum(sizes), *shape]``); returns ``total`` ``[groups, *shape]``
-        and ``weight`` ``[groups]``.
+        and ``weight`` ``[groups]``, in float32 or wider.
 
-        Each run of groups of one size is one contraction over the slice range, read in
-        place (no weighted copy of the slices), accumulated in float32 or wider.
+        Every group's members are added from the last to the first, as :meth:`first` and
+        :meth:`add` add a group's members one by one, but for all groups of one size at
+        once: an element-wise expression of the slices of ``r`` that XLA fuses into one
+        pass (no weighted copy of the slices), which :meth:`finish` and a skip's select can
+        write over the stored residuals.
         """
         dtype = jnp.promote_types(r.dtype, jnp.float32)
         totals, weight_sums, start = [], [], 0
         for size, groups in _equal_runs(sizes):
             stop = start + size * groups
-            part = r[start:stop].reshape(groups, size, -1)
+            part = r[start:stop].reshape(groups, size, *r.shape[1:])
             w = weights[start:stop].astype(dtype).reshape(groups, size)
-            totals.append(
-                jnp.einsum(
-                    "gm,gmn->gn",
-                    w,
-                    part,
-                    precision=lax.Precision.HIGHEST,
-                    preferred_element_type=dtype,
-                )
-            )
-            weight_sums.append(w.sum(axis=1))
+            expand = (slice(None),) + (None,) * (r.ndim - 1)
+            total = w[:, -1][expand] * part[:, -1].astype(dtype)
+            weight = w[:, -1]
+            for t in reversed(range(size - 1)):
+                total = total + w[:, t][expand] * part[:, t].astype(dtype)
+                weight = weight + w[:, t]
+            totals.append(total)
+            weight_sums.append(weight)
             start = stop
-        total = totals[0] if len(totals) == 1 else jnp.concatenate(totals)
-        weight = weight_sums[0] if len(weight_sums) == 1 else jnp.concatenate(weight_sums)
-        return cls(total.reshape(len(sizes), *r.shape[1:]), weight)
+        if len(totals) == 1:
+            return cls(totals[0], weight_sums[0])
+        return cls(jnp.concatenate(totals), jnp.concatenate(weight_sums))
 
     def finish(self, plan: StorePlan) -> jax.Array:
         """The group residual; zero when all weights are zero (all members' x_i = 0).

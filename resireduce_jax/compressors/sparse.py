@@ -160,13 +160,30 @@ class TopK(_SparseBase):
         at a large layer's exchange (docs/design.md, "Residuals at the compiled peak").
         """
         del key
-        magnitude, bits = in_place.magnitudes(x)
-        top, indices = lax.top_k(magnitude.ravel(), self.k(x.size))
+        payload, x = self._select_in_place(x, None)
+        return payload, state, x
+
+    def compress_consuming_slices(self, x, state, keys):
+        """:meth:`compress_consuming` of every slice of a layer stack ``x`` at once: ``|x|``
+        of the whole stack in its buffer, one Top-k per slice (a batched ``lax.top_k``)."""
+        del keys
+        payload, x = self._select_in_place(x, x.shape[0])
+        return payload, state, x
+
+    def _select_in_place(self, x, slices: int | None) -> tuple[SparsePayload, jax.Array]:
+        """The payload of ``x`` (of each of its ``slices`` along axis 0) and ``x`` again."""
+        magnitude, bits = in_place.magnitudes(x, slices=slices or 1)
+        n = x.size // (slices or 1)
+        ranked = magnitude.ravel() if slices is None else magnitude.reshape(slices, n)
+        top, indices = lax.top_k(ranked, self.k(n))
         indices = indices.astype(jnp.int32)
         # Top-k has read |x| before the signs are restored over it.
         magnitude, bits, top, indices = lax.optimization_barrier((magnitude, bits, top, indices))
-        payload = SparsePayload(in_place.signed_at(top, bits, indices), indices)
-        return payload, state, in_place.with_signs(magnitude, bits)
+        flat = indices
+        if slices is not None:  # indices into the whole stack, for its sign bits
+            flat = indices + n * jnp.arange(slices, dtype=jnp.int32)[:, None]
+        payload = SparsePayload(in_place.signed_at(top, bits, flat), indices)
+        return payload, in_place.with_signs(magnitude, bits, slices=slices or 1)
 
 
 @dataclasses.dataclass(frozen=True)
