@@ -105,6 +105,8 @@ VARIANTS = {
     "compressed_mean": lambda **kw: rr.compressed_mean(C.topk(DENSITY), min_size=MIN_SIZE, **kw),
     "ef": lambda **kw: rr.error_feedback(C.topk(DENSITY), min_size=MIN_SIZE, **kw),
     "ef-randomk": lambda **kw: rr.error_feedback(C.randomk(DENSITY), min_size=MIN_SIZE, **kw),
+    "ef-qsgd": lambda **kw: rr.error_feedback(C.qsgd(16), min_size=MIN_SIZE, **kw),
+    "ef-powersgd": lambda **kw: rr.error_feedback(C.powersgd(2), min_size=MIN_SIZE, **kw),
     "a": resireduce(grouping=MIXED, inter="average", intra="none"),
     "w": resireduce(grouping=MIXED, intra="none"),
     "d": resireduce(inter="none", intra="rows", intra_layers=r"wte|blocks/\d+/mlp"),
