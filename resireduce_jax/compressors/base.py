@@ -167,16 +167,6 @@ class Compressor(abc.ABC):
         x, payload = lax.optimization_barrier((x, payload))
         return Reduced(mean=mean, residual=self.residual(x, payload, skip), state=new_state)
 
-    def compress_consuming_slices(
-        self, x: jax.Array, state: PyTree, keys: jax.Array | None
-    ) -> tuple[PyTree, PyTree, jax.Array]:
-        """:meth:`compress_consuming` of every slice of ``x`` (``[slices, *shape]``: a layer
-        stack, :mod:`resireduce_jax.layer_stacks`), vectorised over the slices: payloads,
-        states and keys have a leading slice axis. A compressor may rank the whole stack in
-        its own buffer at once (Top-k)."""
-        in_axes = (0, 0, None if keys is None else 0)
-        return jax.vmap(self.compress_consuming, in_axes=in_axes)(x, state, keys)
-
     def reduce_slices(
         self,
         x: jax.Array,
@@ -185,20 +175,26 @@ class Compressor(abc.ABC):
         axis_name: str,
         skip: jax.Array | None = None,
     ) -> Reduced:
-        """:meth:`reduce` of every slice of ``x`` (``[slices, *shape]``), vectorised: one
-        selection and one exchange for all slices, each slice compressed on its own.
+        """:meth:`reduce` of every slice of ``x`` (``[slices, *shape]``: a layer stack,
+        :mod:`resireduce_jax.layer_stacks`), vectorised over the slices: each slice is
+        compressed on its own, all of them in one selection and one exchange.
 
         ``state`` and ``keys`` have a leading slice axis; ``skip`` is a scalar or a boolean
         per slice (``[slices]``). Every slice's mean, residual and state are those of
-        :meth:`reduce` on that slice.
+        :meth:`reduce` on that slice. A compressor may override this to work on the whole
+        stack at once (Top-k ranks the stack's magnitudes in its own buffer).
         """
-        like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-        payload, new_state, x = self.compress_consuming_slices(x, state, keys)
-        mean = jax.vmap(lambda p: self.aggregate(p, like, axis_name))(payload)
-        x, payload = lax.optimization_barrier((x, payload))  # as in reduce
-        skip_axis = None if skip is None or jnp.ndim(skip) == 0 else 0
-        residual = jax.vmap(self.residual, in_axes=(0, 0, skip_axis))(x, payload, skip)
-        return Reduced(mean=mean, residual=residual, state=new_state)
+        in_axes = (
+            0,
+            0,
+            None if keys is None else 0,
+            None if skip is None or jnp.ndim(skip) == 0 else 0,
+        )
+
+        def reduce(x, state, key, skip):
+            return self.reduce(x, state, key, axis_name, skip=skip)
+
+        return jax.vmap(reduce, in_axes=in_axes)(x, state, keys, skip)
 
     def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:
         """Raises a ValueError if this compressor cannot handle the leaf at ``path``."""

@@ -29,7 +29,13 @@ import numpy as np
 from jax import lax
 
 from resireduce_jax import in_place
-from resireduce_jax.compressors.base import Compressor, check_int, dense_mean, sparse_mean
+from resireduce_jax.compressors.base import (
+    Compressor,
+    Reduced,
+    check_int,
+    dense_mean,
+    sparse_mean,
+)
 
 __all__ = [
     "DGC",
@@ -163,12 +169,20 @@ class TopK(_SparseBase):
         payload, x = self._select_in_place(x, None)
         return payload, state, x
 
-    def compress_consuming_slices(self, x, state, keys):
-        """:meth:`compress_consuming` of every slice of a layer stack ``x`` at once: ``|x|``
-        of the whole stack in its buffer, one Top-k per slice (a batched ``lax.top_k``)."""
+    def reduce_slices(self, x, state, keys, axis_name, skip=None):
+        """:meth:`reduce` of every slice of a layer stack ``x`` at once: ``|x|`` of the whole
+        stack in its buffer (blocks as small as one slice's), one Top-k per slice (a batched
+        ``lax.top_k``), one exchange; each slice's mean and residual are :meth:`reduce`'s.
+        Under ``jax.vmap`` a slice's in-place maps would cover every slice at once: a
+        leaf-sized ``|x|`` of the whole stack beside it."""
         del keys
+        like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
         payload, x = self._select_in_place(x, x.shape[0])
-        return payload, state, x
+        mean = jax.vmap(lambda p: self.aggregate(p, like, axis_name))(payload)
+        x, payload = lax.optimization_barrier((x, payload))  # as in reduce
+        skip_axis = None if skip is None or jnp.ndim(skip) == 0 else 0
+        residual = jax.vmap(self.residual, in_axes=(0, 0, skip_axis))(x, payload, skip)
+        return Reduced(mean=mean, residual=residual, state=state)
 
     def _select_in_place(self, x, slices: int | None) -> tuple[SparsePayload, jax.Array]:
         """The payload of ``x`` (of each of its ``slices`` along axis 0) and ``x`` again."""
