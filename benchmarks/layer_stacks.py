@@ -14,12 +14,14 @@ with a layer axis) and the exchange sees every slice as a layer
 * ``accuracy``: ``configs/byte_gpt.py`` (3 layers, w+2d) trained with the training program,
   scanned and written out, at the same seed (the scanned run starts from the written-out
   model's initialization, stacked: ``train.tasks.Task.init``): final eval perplexity and
-  the largest difference between the final parameters.
+  the largest difference between the final parameters; beside them the written-out model
+  at the next seed, for the spread one seed makes.
 
 Writes ``benchmarks/results/layer_stacks.{json,md}``::
 
     python benchmarks/layer_stacks.py                       # both parts
     python benchmarks/layer_stacks.py --parts compile --layers 6
+    python benchmarks/layer_stacks.py --parts accuracy --merge   # keep the compile part
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
 
-from common import NUM_WORKERS, MiB, environment, load_config, write_results
+from common import NUM_WORKERS, RESULTS, MiB, environment, load_config, write_results
 
 VARIANTS = ("ef", "w+2d")
 
@@ -132,14 +136,18 @@ def accuracy_part(steps: int, seed: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as scratch:
         written_out, scanned = (train_case(scan, steps, seed, scratch) for scan in (False, True))
+        other_seed = train_case(False, steps, seed + 1, scratch)
+    other_seed.pop("params")
     a, b = written_out.pop("params"), scanned.pop("params")
     diffs = {k: float(np.max(np.abs(a[k] - b[k]))) for k in a}
     scale = max(float(np.max(np.abs(v))) for v in a.values())
-    perplexity = [r["eval"]["perplexity"] for r in (written_out, scanned)]
+    perplexity = [r["eval"]["perplexity"] for r in (written_out, scanned, other_seed)]
     return {
         "steps": steps,
         "seed": seed,
         "rows": [written_out, scanned],
+        "next_seed": other_seed,
+        "next_seed_perplexity_relative_difference": perplexity[2] / perplexity[0] - 1.0,
         "max_param_difference": max(diffs.values()),
         "max_param_magnitude": scale,
         "largest_differences": dict(sorted(diffs.items(), key=lambda kv: -kv[1])[:3]),
@@ -199,9 +207,16 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"{r['eval']['perplexity']:.4f} | {r['eval'].get('loss', float('nan')):.5f} | "
                 f"{r['train'].get('loss', float('nan')):.5f} | {r['wall_seconds']:.0f} |"
             )
+        r = part["next_seed"]
+        lines.append(
+            f"| written out, seed {part['seed'] + 1} | {r['eval']['perplexity']:.4f} | "
+            f"{r['eval'].get('loss', float('nan')):.5f} | "
+            f"{r['train'].get('loss', float('nan')):.5f} | {r['wall_seconds']:.0f} |"
+        )
         lines += [
             "",
-            f"Perplexity scanned / written out - 1: {part['perplexity_relative_difference']:+.2e}; "
+            f"Perplexity scanned / written out - 1: {part['perplexity_relative_difference']:+.2e} "
+            f"(the next seed's: {part['next_seed_perplexity_relative_difference']:+.2e}); "
             f"largest parameter difference {part['max_param_difference']:.2e} (largest "
             f"parameter magnitude {part['max_param_magnitude']:.2f}).",
             "",
@@ -217,18 +232,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="results directory (default: results/)")
+    parser.add_argument("--merge", action="store_true", help="keep the other parts' results")
     args = parser.parse_args(argv)
 
     from resireduce_jax import runtime
 
     runtime.configure_cpu(num_devices=NUM_WORKERS)
-    payload: dict[str, Any] = {"environment": environment()}
+    out = Path(args.out) if args.out else RESULTS
+    previous = out / "layer_stacks.json"
+    payload: dict[str, Any] = {}
+    if args.merge and previous.exists():
+        payload = json.loads(previous.read_text())
+    payload["environment"] = environment()
     if "compile" in args.parts:
         payload["compile"] = compile_part(args.layers, args.seq_len)
     if "accuracy" in args.parts:
         payload["accuracy"] = accuracy_part(args.steps, args.seed)
-    kwargs = {} if args.out is None else {"out": args.out}
-    write_results("layer_stacks", payload, markdown(payload), **kwargs)
+    write_results("layer_stacks", payload, markdown(payload), out)
 
 
 if __name__ == "__main__":

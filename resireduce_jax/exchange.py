@@ -31,6 +31,11 @@ over ``local``. Stores hold one shard per device, so residual memory per device 
 transform's divided by ``L``; error feedback acts on node means. With a local axis of size
 1 the transform is the flat one over both axes, bit for bit.
 
+**Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
+weight of every layer (a scanned model) is one unit per slice: plans are made on the
+unstacked pytree, the stores of runs of slices are kept as slice ranges of the stack, and
+each stack is exchanged in one vectorised pass (:meth:`Compressor.reduce_slices`).
+
 This module owns the state (:class:`ExchangeState`, one type for all modes), the plan
 (``tx.plan(params)``), the update loop, the handling of a skipped step (the ``skip``
 extra argument that :func:`~resireduce_jax.skip_nonfinite` passes), and every operation
@@ -110,7 +115,9 @@ class ExchangeState(NamedTuple):
         array (``"leaf"``, ``"average"``, ``"weighted"``), a
         :class:`~resireduce_jax.residual_stores.RowsResidual` or a
         :class:`~resireduce_jax.residual_stores.BlockResidual`. A ``"leaf"`` store's label
-        is the leaf's path (``"dense_1/kernel"``). Per worker: under ``shard_map`` these
+        is the leaf's path (``"dense_1/kernel"``). The stores of a run of slices of a layer
+        stack are one entry, ``"{stack path}[{start}:{stop}]"``, with a leading store axis
+        (:class:`~resireduce_jax.residual_stores.StoreBatch`). Per worker: under ``shard_map`` these
         carry a leading worker axis sharded on the data axis. Empty for
         ``compressed_mean``.
       compressor_state: per-leaf compressor state with the params' structure;
