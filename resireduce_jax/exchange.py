@@ -455,9 +455,15 @@ class _Exchange:
         for stack_plan in plan.stack_plans:
             j = stack_plan.stack.leaf
             out[j], new_cstates[j] = self._update_stack(
-                stack_plan, leaves[j], cstates[j], state, skip, payload_axes,
-                new_residuals, partial_sums,
-            )  # fmt: skip
+                stack_plan,
+                leaves[j],
+                cstates[j],
+                state,
+                skip,
+                payload_axes,
+                new_residuals,
+                partial_sums,
+            )
 
         batched = {p.group.label for b in plan.batches for p in b.stores}
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
@@ -582,60 +588,76 @@ class _Exchange:
 
         units = jnp.asarray(stack.units, jnp.int32)
         keys = None
-        if self.compressor.randomness != "none":
+        if self.compressor.randomness != "none":  # each slice's key is its unit's
             shard_axis = shard and shard.axis_name
             keys = jax.vmap(
                 lambda i: leaf_key(
                     self.seed, state.count, i, self.compressor, payload_axes, shard_axis
                 )
             )(units)
-        own = np.zeros(stack.size, bool)  # slices with their own residual: the skip hook
-        for batch in stack_plan.batches:
-            own[batch.start : batch.stop] = batch.plan.kind == "leaf"
-        if skip is None or not own.any():
-            residual_skip = None
-        elif own.all():
-            residual_skip = skip
-        else:
-            residual_skip = jnp.logical_and(skip, jnp.asarray(own))
-        reduced = self.compressor.reduce_slices(x, cstate, keys, payload_axes, residual_skip)
+        reduced = self.compressor.reduce_slices(
+            x, cstate, keys, payload_axes, _residual_skip(stack_plan, skip)
+        )
         mean = reduced.mean
         if shard is not None:
             mean = jax.vmap(functools.partial(_gather_shards, shard))(mean)
         mean = jnp.moveaxis(mean, 0, stack.axis)
-        r = reduced.residual
+        self._rebuild_stores(
+            stack_plan, reduced.residual, before, state, skip, new_residuals, partial_sums
+        )
+        return _where_skip(skip, zero, mean), _where_skip(skip, cstate, reduced.state)
 
+    def _rebuild_stores(
+        self,
+        stack_plan: StackPlan,
+        r: jax.Array,
+        before: dict[int, Any],
+        state: ExchangeState,
+        skip: jax.Array | None,
+        new_residuals: dict[str, Any],
+        partial_sums: dict[str, list[stores.WeightedSum]],
+    ) -> None:
+        """Every batch's new residuals from its slice range of the stack's fresh residuals
+        ``r`` (and of the loose pieces, partial sums for their groups). ``before``: what
+        was read of ``G~`` for each range (compensated weights or norms)."""
+        units = jnp.asarray(stack_plan.stack.units, jnp.int32)
         for n, (plan, start, stop) in enumerate(_ranges(stack_plan)):
             part = r[start:stop]
-            if n < len(stack_plan.batches):
-                batch = stack_plan.batches[n]
-                stored = state.residuals.get(batch.label)
-                if plan.kind == "leaf":
-                    new_residuals[batch.label] = part.astype(plan.dtype)
-                elif plan.shared:
-                    weights = before.get(n)
-                    if weights is None:
-                        weights = _slice_weights(plan, part)
-                    sums = stores.WeightedSum.of_groups(part, weights, batch.sizes)
-                    new_residuals[batch.label] = _where_skip(skip, stored, sums.finish(plan))
-                elif plan.kind in ("rows", "2d"):
-                    selection_keys = jax.vmap(
-                        lambda i, plan=plan: _selection_key(
-                            self.seed, state.count, i, self.worker_axes, plan
-                        )
-                    )(units[start:stop])
-                    kept = jax.vmap(functools.partial(stores.compress_residual, plan))(
-                        part, selection_keys, before.get(n)
-                    )
-                    new_residuals[batch.label] = _where_skip(skip, stored, kept)
-            else:  # a loose shared group's slices: a partial sum for the group
-                weights = before.get(n)
-                if weights is None:
-                    weights = _slice_weights(plan, part)
+            weights = before.get(n)
+            if plan.shared and weights is None:
+                weights = _slice_weights(plan, part)
+            if n >= len(stack_plan.batches):  # a loose group's slices: a partial sum
                 partial = stores.WeightedSum.of_slices(part, weights)
                 partial_sums.setdefault(plan.group.label, []).append(partial)
-        new_cstate = _where_skip(skip, cstate, reduced.state)
-        return _where_skip(skip, zero, mean), new_cstate
+                continue
+            batch = stack_plan.batches[n]
+            stored = state.residuals.get(batch.label)
+            if plan.kind == "leaf":
+                new_residuals[batch.label] = part.astype(plan.dtype)
+            elif plan.shared:
+                sums = stores.WeightedSum.of_groups(part, weights, batch.sizes)
+                new_residuals[batch.label] = _where_skip(skip, stored, sums.finish(plan))
+            elif plan.kind in ("rows", "2d"):
+                selection_keys = jax.vmap(
+                    lambda i, plan=plan: _selection_key(
+                        self.seed, state.count, i, self.worker_axes, plan
+                    )
+                )(units[start:stop])
+                kept = jax.vmap(functools.partial(stores.compress_residual, plan))(
+                    part, selection_keys, before.get(n)
+                )
+                new_residuals[batch.label] = _where_skip(skip, stored, kept)
+
+
+def _residual_skip(stack_plan: StackPlan, skip: jax.Array | None) -> jax.Array | None:
+    """The skip hook's argument for a stack: ``skip`` for the slices that keep their own
+    residual (a scalar when all do, one flag per slice when some do), ``None`` if none."""
+    own = np.zeros(stack_plan.stack.size, bool)
+    for batch in stack_plan.batches:
+        own[batch.start : batch.stop] = batch.plan.kind == "leaf"
+    if skip is None or not own.any():
+        return None
+    return skip if own.all() else jnp.logical_and(skip, jnp.asarray(own))
 
 
 def _ranges(stack_plan: StackPlan) -> list[tuple[stores.StorePlan, int, int]]:
