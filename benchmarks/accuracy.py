@@ -310,15 +310,13 @@ def _bytes(n: int) -> str:
 
 
 def markdown(payload: dict[str, Any]) -> str:
+    """The table first (final eval metric per task and variant), then how it was produced."""
     lines = [
         "# Accuracy: gradient-exchange variants trained side by side",
         "",
-        f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
-        "only `compression.variant` (and, for w+2d+bf16, `compression.residual_dtype`) differs "
-        "between rows of a task. Mean ± standard deviation over seeds of the final eval "
-        "metric; Δ vs ef is the mean of the per-seed differences (same seed = same init, data "
-        "order and PRNG keys), ± their standard deviation. Residual bytes are what one worker "
-        "keeps between steps (from the run's memory report).",
+        "Final eval metric per task and variant, mean ± standard deviation over seeds; Δ vs "
+        "ef is the mean of the per-seed differences, ± their standard deviation. Tasks and "
+        "commands: below the table.",
         "",
     ]
     if not payload.get("complete", True):
@@ -326,23 +324,7 @@ def markdown(payload: dict[str, Any]) -> str:
             "**Incomplete run**: stopped early; only the finished runs are shown.",
             "",
         ]
-    commands = payload.get("commands") or [payload["command"]]
-    lines += ["Produced by: " + "; ".join(f"`{c}`" for c in commands) + ".", ""]
-    if payload.get("overrides"):
-        applied = ", ".join(f"`{k}={v}`" for k, v in payload["overrides"].items())
-        lines += [f"**Config overrides on every run**: {applied}.", ""]
-    for task_name, s in payload["settings"].items():
-        task = TASKS[task_name]
-        better = "higher" if task.higher_is_better else "lower"
-        lines.append(
-            f"* **{task_name}**: {s['description']}; {s['steps']} steps, {s['workers']} workers "
-            f"x {s['batch_per_worker']} examples, {s['compressor']} density {s['density']:g}, "
-            f"leaves under min_size={s['min_size']} elements travel dense, groups of <= "
-            f"{s['max_group_size']} same-shape leaves, 2-D layers `{s['intra_layers']}`; "
-            f"metric: eval {task.unit} ({better} is better)."
-        )
     lines += [
-        "",
         "| task | variant | final metric (mean ± std) | seeds | residual bytes / worker "
         "| vs ef residuals | Δ vs ef |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -366,11 +348,35 @@ def markdown(payload: dict[str, Any]) -> str:
             f"| {row['task']} | {row['variant']} | {value} {task.unit} | {len(row['seeds'])} "
             f"| {_bytes(row['residual_bytes'])} | {ratio} | {delta} |"
         )
+    lines += [
+        "",
+        f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
+        "only `compression.variant` (and, for w+2d+bf16, `compression.residual_dtype`) differs "
+        "between rows of a task. Same seed = same init, data order and PRNG keys. Residual "
+        "bytes are what one worker keeps between steps (from the run's memory report).",
+        "",
+    ]
+    if payload.get("overrides"):
+        applied = ", ".join(f"`{k}={v}`" for k, v in payload["overrides"].items())
+        lines += [f"**Config overrides on every run**: {applied}.", ""]
+    for task_name, s in payload["settings"].items():
+        task = TASKS[task_name]
+        better = "higher" if task.higher_is_better else "lower"
+        lines.append(
+            f"* **{task_name}**: {s['description']}; {s['steps']} steps, {s['workers']} workers "
+            f"x {s['batch_per_worker']} examples, {s['compressor']} density {s['density']:g}, "
+            f"leaves under min_size={s['min_size']} elements travel dense, groups of <= "
+            f"{s['max_group_size']} same-shape leaves, 2-D layers `{s['intra_layers']}`; "
+            f"metric: eval {task.unit} ({better} is better)."
+        )
     skipped = sum(row["skipped_steps"] for row in payload["summary"])
+    commands = payload.get("commands") or [payload["command"]]
     lines += [
         "",
         f"Non-finite steps skipped over all runs: {skipped}. Total run time "
         f"{payload['seconds'] / 60:.1f} min on {payload['cpu_count']} CPU cores.",
+        "",
+        "Produced by: " + "; ".join(f"`{c}`" for c in commands) + ".",
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,12 @@ Long explanations belong in the results markdown, not in the scripts: a generate
 markdown marks a place for hand-written text with a line ``<!-- prose: KEY -->``, and
 :func:`write_results` fills it with the block of that key from the committed
 ``benchmarks/results/<name>.md`` (between ``<!-- prose: KEY -->`` and ``<!-- /prose -->``),
-so regenerating the figures keeps the text around them.
+so regenerating the figures keeps the text around them. A page leads with its table; its
+prose follows it.
+
+Every benchmark re-renders its markdown from its committed JSON without measuring again
+(``--from-json``): :func:`read_results` loads the figures, :func:`write_markdown` writes
+the page.
 """
 
 from __future__ import annotations
@@ -88,6 +93,26 @@ def fill_prose(text: str, name: str, source: Path | None = None) -> str:
     )
 
 
+def read_results(name: str, out: str | Path = RESULTS) -> Any:
+    """The payload of ``<out>/<name>.json``, to re-render its markdown without measuring."""
+    path = Path(out) / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"error: --from-json: {path} does not exist; run the benchmark first.")
+    return json.loads(path.read_text())
+
+
+def write_markdown(name: str, markdown: str, out: str | Path = RESULTS, *, echo: bool = True):
+    """Writes ``<out>/<name>.md`` (prose filled in from the committed page); prints it."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = fill_prose(markdown, name)
+    text = text if text.endswith("\n") else text + "\n"
+    (out / f"{name}.md").write_text(text)
+    if echo:
+        print(text)
+    return out
+
+
 def write_results(
     name: str,
     payload: Any,
@@ -101,9 +126,4 @@ def write_results(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(payload, indent=indent, default=repr) + "\n")
-    text = fill_prose(markdown, name)
-    text = text if text.endswith("\n") else text + "\n"
-    (out / f"{name}.md").write_text(text)
-    if echo:
-        print(text)
-    return out
+    return write_markdown(name, markdown, out, echo=echo)

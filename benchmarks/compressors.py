@@ -41,7 +41,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, read_results, write_markdown, write_results  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -80,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--topk-reps", type=int, default=7, help="repetitions of selections")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     parser.add_argument("--out", default=str(RESULTS), help="output directory")
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     return parser.parse_args()
 
 
@@ -284,6 +287,11 @@ def markdown(meta, rows, selection) -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.from_json:
+        result = read_results("compressors", args.out)
+        markdown_ = markdown(result["meta"], result["exchange"], result["selection"])
+        write_markdown("compressors", markdown_, args.out)
+        return
     if args.size % args.rows:
         raise ValueError(f"--size {args.size} must be a multiple of --rows {args.rows}.")
     shape = (args.rows, args.size // args.rows)

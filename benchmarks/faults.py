@@ -31,15 +31,19 @@ after losing its peer.
 
 Usage::
 
-    python benchmarks/faults.py                  # 30 runs (about 25 min on 2 busy cores)
+    python benchmarks/faults.py                     # 30 runs (about 25 min on 2 busy cores)
     python benchmarks/faults.py --runs 60 --seed 1
-    python benchmarks/faults.py --quick          # 2 small runs, results in the workdir
-    python benchmarks/faults.py --replay 17      # run 17 of --seed again, logs kept
+    python benchmarks/faults.py --quick             # 2 small runs, results in the workdir
+    python benchmarks/faults.py --replay 17         # run 17 of --seed again, logs kept
+    python benchmarks/faults.py --quick --replay 1  # run 1 of a --quick campaign
     python benchmarks/faults.py --configs default_hier --runs 12 --seed 1  # hierarchical
+    python benchmarks/faults.py --from-json      # re-render reliability.md
 
-A campaign over other ``--configs`` is stored beside the others: ``reliability.json``
-holds every campaign under its key (the sorted config names joined by commas) and
-``reliability.md`` renders each in its own section.
+A run depends on ``--seed``, ``--quick`` and ``--configs``: a replay needs the same three
+(the report prints each run's replay command). A campaign over other ``--configs`` is
+stored beside the others: ``reliability.json`` holds every campaign under its key (the
+sorted config names joined by commas) and ``reliability.md`` renders each in its own
+section.
 """
 
 from __future__ import annotations
@@ -58,11 +62,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS, ROOT, environment, write_results
+from common import RESULTS, environment, read_results, write_markdown, write_results
 
-sys.path.insert(0, str(ROOT))
-
-from tests.test_multiprocess import LocalJob
+from train.local_job import RESUMED, STOPPED, LocalJob, committed_steps
 
 # The embedded configs, cut down so that one launch takes seconds: 4 workers, 16 steps,
 # a checkpoint every 4 steps (all kept), metrics every step, evaluation only at the end.
@@ -103,8 +105,6 @@ TITLES = {"default_hier": "hierarchical exchange, sharded residuals"}
 COLLECTIVE_TIMEOUT_S = 10  # a survivor of a SIGKILLed peer stops after about this long
 INITIALIZATION_TIMEOUT_S = 30  # ... or this long, when the peer died before connecting
 RUN_TIMEOUT_S = 600
-STOPPED = re.compile(r"Stopping: checkpointed step (\d+)\.")
-RESUMED = re.compile(r"Resumed from checkpoint at step (\d+)")
 # The survivor's report (train/supervisor.py): a lost process after the job formed, or,
 # when the peer died before it connected, a process that never connected or a coordinator
 # that could not be joined.
@@ -239,17 +239,6 @@ def _checkpoint_dirs(workdir: str) -> list[str]:
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
-def _committed(workdir: str) -> list[int]:
-    from train import checkpointing
-
-    directory = os.path.join(workdir, "checkpoints")
-    return sorted(
-        int(n)
-        for n in _checkpoint_dirs(workdir)
-        if n.isdigit() and checkpointing.is_committed(os.path.join(directory, n))
-    )
-
-
 def _writing(workdir: str, step: int | None = None) -> bool:
     """Whether orbax is writing a checkpoint (of ``step``) right now (its temporary dir)."""
     prefix = "" if step is None else f"{step}."
@@ -305,7 +294,7 @@ def nonfinite_leaves(workdir: str) -> list[str]:
     import jax
 
     bad = []
-    for step in _committed(workdir):
+    for step in committed_steps(workdir):
         for path, x in jax.tree_util.tree_flatten_with_path(load_state(workdir, step))[0]:
             x = np.asarray(x)
             if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
@@ -452,7 +441,7 @@ class Campaign:
             )
         stopped = [int(s) for o in outputs for s in STOPPED.findall(o)]
         out["sigterm_stopped_at"] = max(stopped) if stopped else None
-        committed = _committed(workdir)
+        committed = committed_steps(workdir)
         out["committed_before_resume"] = committed[-1] if committed else 0
         out["uncommitted_dirs"] = [n for n in _checkpoint_dirs(workdir) if not n.isdigit()]
 
@@ -482,7 +471,7 @@ class Campaign:
             if at_s is not None:
                 if time.monotonic() - launched >= at_s:
                     return
-            elif _writing(workdir, int(fault.at)) or int(fault.at) in _committed(workdir):
+            elif _writing(workdir, int(fault.at)) or int(fault.at) in committed_steps(workdir):
                 time.sleep(fault.delay_s)  # a committed step means the write was missed
                 return
             time.sleep(0.002)
@@ -590,18 +579,15 @@ def section(key: str, payload: dict[str, Any]) -> list[str]:
     for r in records:
         groups.setdefault((r["config"], r["processes"], r["signal"]), []).append(r)
     default = key == DEFAULT_CAMPAIGN
-    flag = "" if default else f" --configs {key}"
     lines = [
         "## Fault campaign (`benchmarks/faults.py`)"
         if default
         else f"## Fault campaign: {TITLES.get(key, key)} (`--configs {key}`)",
         "",
-        f"`python benchmarks/faults.py{flag} --runs {args['runs']} --seed {args['seed']}` "
+        f"`{command(key, args, args.get('replay'))}` "
         f"({payload['date']}, {payload['cpu_count']} CPU cores shared with other jobs; "
         f"{payload['wall_s'] / 60:.1f} min). Replay run *i* alone with "
-        f"`--seed {args['seed']}{flag} --replay i`.",
-        "",
-        f"<!-- prose: {'campaign' if default else 'campaign-' + key.replace(',', '-')} -->",
+        f"`{command(key, args, 'i')}`.",
         "",
         "| kills tried | landed | resumed | bit-identical | lost | signalled mid-write "
         "| write left uncommitted | steps recomputed (median / max) "
@@ -639,6 +625,8 @@ def section(key: str, payload: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
+        f"<!-- prose: {'campaign' if default else 'campaign-' + key.replace(',', '-')} -->",
+        "",
         "Every run (`killed at`: seconds after launch / last logged step, *ended* when the "
         "job had finished before the moment; `from`: the step the resumed job restored; "
         "`exit`: the signalled job's exit statuses; `lost`: steps recomputed):",
@@ -665,9 +653,11 @@ def section(key: str, payload: dict[str, Any]) -> list[str]:
 # ------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=30, help="number of runs (default 30)")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="number of runs (default 30; 2 with --quick)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
     parser.add_argument("--replay", type=int, default=None, help="run only this run index")
     parser.add_argument(
@@ -688,14 +678,75 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(CONFIGS)}; with --quick: {','.join(QUICK)}); more: "
         f"{', '.join(EXTRA_CONFIGS)}",
     )
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="only re-render reliability.md from reliability.json (under --out)",
+    )
     args = parser.parse_args(argv)
-    runs = 2 if args.quick and "--runs" not in (argv or sys.argv) else args.runs
-    available = QUICK_ALL if args.quick else ALL_CONFIGS
-    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
+    available, names = _jobs(args)
     unknown = [n for n in names if n not in available]
     if unknown or len(set(names)) != len(names):
         parser.error(f"--configs {args.configs}: choose from {', '.join(available)}")
-    configs = {n: available[n] for n in names}  # draw() sorts the names: order is moot
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a command line runs: the jobs drawn from, the layouts, the run indices."""
+
+    configs: dict[str, dict[str, Any]]
+    layouts: tuple[int, ...]
+    runs: int
+    indices: list[int]
+
+    def fault(self, seed: int, index: int) -> Fault:
+        return draw(seed, index, self.configs, self.layouts)
+
+
+def _jobs(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The jobs ``--configs`` may name under ``args``, and the names it chose."""
+    available = QUICK_ALL if args.quick else ALL_CONFIGS
+    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
+    return available, names
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """The campaign (or the one run of ``--replay``) that ``args`` (parsed) asks for."""
+    available, names = _jobs(args)
+    runs = args.runs if args.runs is not None else (2 if args.quick else 30)
+    return Setup(
+        configs={n: available[n] for n in names},  # draw() sorts the names: order is moot
+        layouts=(1,) if args.quick else (1, 2),
+        runs=runs,
+        indices=[args.replay] if args.replay is not None else list(range(runs)),
+    )
+
+
+def command(key: str, args: dict[str, Any], replay: int | str | None = None) -> str:
+    """The command line of a recorded campaign (``payload["args"]``, campaign ``key``), or
+    of its run ``replay`` alone: every flag that changes what runs (``--quick``,
+    ``--configs`` unless the default jobs, ``--runs``, ``--seed``)."""
+    quick = bool(args.get("quick"))
+    flags = ["--quick"] if quick else []
+    if key != campaign_key(QUICK if quick else CONFIGS):
+        flags.append(f"--configs {key}")
+    if replay is None:
+        flags.append(f"--runs {args['runs']}")
+    flags.append(f"--seed {args['seed']}")
+    if replay is not None:
+        flags.append(f"--replay {replay}")
+    return " ".join(["python benchmarks/faults.py", *flags])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        out = args.out or str(RESULTS)
+        write_markdown("reliability", markdown(read_results("reliability", out)), out, echo=False)
+        return 0
+    plan = setup(args)
+    configs = plan.configs
     key = campaign_key(configs)
     workdir = args.workdir or tempfile.mkdtemp(prefix="rr_faults_")
     os.makedirs(workdir, exist_ok=True)
@@ -715,30 +766,32 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
+    recorded = {
+        "runs": plan.runs,
+        "seed": args.seed,
+        "quick": args.quick,
+        "replay": args.replay,
+        "configs": sorted(configs),
+    }
     start = time.monotonic()
-    layouts = (1,) if args.quick else (1, 2)
     print(f"workdir: {workdir}", flush=True)
-    indices = [args.replay] if args.replay is not None else list(range(runs))
     records = []
-    bar = tqdm(indices, desc="fault runs", unit="run", dynamic_ncols=True)
+    bar = tqdm(plan.indices, desc="fault runs", unit="run", dynamic_ncols=True)
     for index in bar:
-        fault = draw(args.seed, index, configs, layouts)
+        fault = plan.fault(args.seed, index)
         bar.set_postfix_str(fault.describe())
         record = campaign.run(fault)
         records.append(record)
         with open(os.path.join(workdir, "runs.jsonl"), "a") as f:  # progress, for a look
             f.write(json.dumps(record, default=repr) + "\n")
         if not record.get("identical"):
-            tqdm.write(f"run {index} ({fault.describe()}): {record.get('error') or record}")
+            tqdm.write(
+                f"run {index} ({fault.describe()}): {record.get('error') or record}\n"
+                f"replay it with: {command(key, recorded, index)}"
+            )
     payload = environment(
         date=time.strftime("%Y-%m-%d"),
-        args={
-            "runs": runs,
-            "seed": args.seed,
-            "quick": args.quick,
-            "replay": args.replay,
-            "configs": sorted(configs),
-        },
+        args=recorded,
         configs=configs,
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         reference_durations_s=campaign.durations(),
@@ -751,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results("reliability", results, markdown(results), out, echo=False)
     summary = payload["summary"]
     print(json.dumps(summary, indent=2))
-    print(f"results: {out}/reliability.md")
+    print(f"results: {out}/reliability.md; replay run i alone with: {command(key, recorded, 'i')}")
     return 0 if summary["identical"] == summary["tried"] else 1
 
 

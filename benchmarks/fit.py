@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
 
 from common import NUM_WORKERS, RESULTS, Case, environment, write_results
+from step_time import Runner
 
 __all__ = [
     "CASES",
@@ -268,47 +269,11 @@ def plan_model(
 # ------------------------------------------------------------------ the price, measured
 
 
-def _synthetic_batch(model_config, rows: int, seq_len: int):
-    from step_time import _batch
-
-    return _batch(model_config, rows, seq_len, seed=0)
-
-
-class _Runner:
+def _runner(compiler, candidate, batch: int, task, seq_len: int) -> Runner:
     """A candidate's initialized state and jitted step on 8 CPU workers; times steps."""
-
-    def __init__(self, compiler, candidate, batch: int, task, seq_len: int):
-        import jax
-
-        import resireduce_jax as rr
-        from train import compiled_step
-
-        config = compiler.config_for(candidate)
-        mesh = rr.parallel.make_mesh(NUM_WORKERS, compiled_step.AXIS)
-        tx = compiled_step.build_train_tx(config, 100.0, 10_000)
-        self.step = compiled_step.build_step(task, tx, mesh, config.weight_update_order)
-        data = _synthetic_batch(task.model_config, NUM_WORKERS * batch, seq_len)
-        per_worker = {k: v[:batch] for k, v in data.items()}
-        variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
-        params = variables.pop("params")
-        self.model_state = rr.parallel.replicated(variables, mesh)
-        self.params, self.opt_state = self.step.init(params)
-        self.batch = rr.parallel.shard_batch(data, mesh, compiled_step.AXIS)
-        self.key = jax.random.PRNGKey(1)
-        self.count = 0
-
-    def run(self, steps: int) -> float:
-        import jax
-
-        start = time.perf_counter()
-        for _ in range(steps):
-            rng = jax.random.fold_in(self.key, self.count)
-            self.params, self.opt_state, self.model_state, metrics = self.step(
-                self.params, self.opt_state, self.model_state, self.batch, rng
-            )
-            self.count += 1
-        jax.block_until_ready((self.params, self.opt_state, metrics))
-        return (time.perf_counter() - start) / steps
+    config = compiler.config_for(candidate)
+    options = {"weight_update_order": config.weight_update_order}
+    return Runner(task, config, batch, seq_len, options=options)
 
 
 def measure_price(name: str, case: Case, *, repeats: int, steps: int) -> dict[str, Any]:
@@ -338,9 +303,9 @@ def measure_price(name: str, case: Case, *, repeats: int, steps: int) -> dict[st
     ef_batch = found.search(ef).batch
     task = compiler.task_for(best.row)
     runners = {
-        "ef_at_choice_batch": _Runner(compiler, ef, best.batch, compiler.task, case.seq_len),
-        "choice": _Runner(compiler, best.candidate, best.batch, task, case.seq_len),
-        "ef_at_ef_batch": _Runner(compiler, ef, ef_batch, compiler.task, case.seq_len),
+        "ef_at_choice_batch": _runner(compiler, ef, best.batch, compiler.task, case.seq_len),
+        "choice": _runner(compiler, best.candidate, best.batch, task, case.seq_len),
+        "ef_at_ef_batch": _runner(compiler, ef, ef_batch, compiler.task, case.seq_len),
     }
     for runner in runners.values():  # compile, warm up
         runner.run(1)
@@ -388,8 +353,6 @@ def markdown(
         "form fits (rotor: its leanest plan); the figures at the largest batch are the "
         "fastest form that fits (rotor: the fastest plan found). "
         + ("**Quick run: reduced sizes, MiB budgets.**" if quick else ""),
-        "",
-        "<!-- prose: about -->",
         "",
     ]
     chosen = within = 0
@@ -477,6 +440,7 @@ def markdown(
             )
         lines.append("")
     lines += [f"![largest batch per worker vs budget]({name}.png)", ""]
+    lines += ["<!-- prose: about -->", ""]
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from common import RESULTS, fill_prose, write_results  # noqa: E402
+from common import RESULTS, write_markdown, write_results  # noqa: E402
 
 from resireduce_jax import hlo, models  # noqa: E402
 from resireduce_jax import optimizers as gsr  # noqa: E402
@@ -331,11 +331,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"Compile only, XLA:CPU, one device, jax {report['jax_version']}, optax "
         f"{report['optax_version']}; nothing is trained or allocated. Batches: {batches}.",
         "",
-        "<!-- prose: about -->",
-        "",
     ]
     lines += _goal(report)
     lines += _summary(report)
+    lines += ["## How the figures are taken", "", "<!-- prose: about -->", ""]
     lines += _why(report)
     lines += _section(
         "Optimizer-only step (gradients passed in; memory-optimizing scheduler)",
@@ -425,8 +424,6 @@ def _goal(report: dict[str, Any]) -> list[str]:
     lines = [
         "## Goal",
         "",
-        "<!-- prose: goal -->",
-        "",
         header,
         "|---|" + "---|" * len(configs),
         "| Optimizer-only step, Lion-R / Adan-R save >= 1 P | "
@@ -445,7 +442,7 @@ def _goal(report: dict[str, Any]) -> list[str]:
             for c, m in configs
         ]
         lines.append("| Every saving >= 0, train step | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += ["", "<!-- prose: goal -->", ""]
     return lines
 
 
@@ -606,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.render:
         report = json.loads(args.render.read_text())
-        args.render.with_suffix(".md").write_text(fill_prose(markdown(report), "gsr_memory") + "\n")
+        write_markdown("gsr_memory", markdown(report), args.render.parent, echo=False)
         return
 
     clips: list[float | None] = [None] if args.no_clip else [None, CLIP_NORM]

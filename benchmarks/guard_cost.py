@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/guard_cost.py            # about 15 minutes on 2 cores
     python benchmarks/guard_cost.py --optimizers adan_r --merge   # re-run some rows only
+    python benchmarks/guard_cost.py --from-json   # re-render the markdown
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, MiB, environment, write_results
+from common import RESULTS, MiB, environment, read_results, write_markdown, write_results
 
 OPTIMIZERS = ("optax.sgd", "sgd", "optax.adamw", "adamw_r", "optax.lion", "lion_r", "adan_r")
 GUARDS = ("none", "ordered", "loss", "strict", "lean")
@@ -216,9 +217,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "# The non-finite guard at the compiled peak",
         "",
-        "<!-- prose: intro -->",
-        "",
-        "Peak per worker in MiB (cost of each guard mode relative to the unguarded peak).",
+        "Peak per worker in MiB (cost of each guard mode relative to the unguarded peak); "
+        "the models, the columns and the command are described below the tables.",
         "",
         "| model | variant | optimizer | no guard | no guard, all_gradients | loss (default) "
         "| strict | lean |",
@@ -254,6 +254,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                     f"| {model} | {opt} | {guard} | {saving / MiB:.1f} | {drop / MiB:.1f} "
                     f"| {drop / saving:.2f} |"
                 )
+    lines += ["", "<!-- prose: about -->"]
     return "\n".join(lines) + "\n"
 
 
@@ -279,7 +280,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="replace the rows compiled now in the earlier guard_cost.json, keep the others",
     )
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        write_markdown(
+            "guard_cost", markdown(read_results("guard_cost", args.out)["rows"]), args.out
+        )
+        return
 
     from resireduce_jax import runtime
 

@@ -105,7 +105,9 @@ def measure_bytes(variant: str) -> list[dict[str, Any]]:
 
 
 def measure_time(variant: str, *, repeats: int, steps: int) -> list[dict[str, Any]]:
-    runners = {name: Runner(CASE, variant, True, _config(local)) for name, local in _layouts()}
+    runners = {
+        name: Runner.of_variant(CASE, variant, True, _config(local)) for name, local in _layouts()
+    }
     for r in runners.values():
         r.run(2)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in runners}
@@ -197,8 +199,6 @@ def markdown(payload: dict[str, Any]) -> str:
         "reduce-scatter, its own part of an all-gather), split by whether the replica "
         "groups stay inside a node. Produced by `python benchmarks/hierarchical.py`.",
         "",
-        "<!-- prose: about -->",
-        "",
     ]
     for variant, rows in payload["bytes"].items():
         flat = rows[0]
@@ -261,6 +261,7 @@ def markdown(payload: dict[str, Any]) -> str:
                     f"{mean:.2f} ± {std:.2f} | {mean - flat:+.2f} |"
                 )
         lines.append("")
+    lines += ["<!-- prose: about -->", ""]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ Writes ``benchmarks/results/layer_stacks.{json,md}``::
     python benchmarks/layer_stacks.py                       # both parts
     python benchmarks/layer_stacks.py --parts compile --layers 6
     python benchmarks/layer_stacks.py --parts accuracy --merge   # keep the compile part
+    python benchmarks/layer_stacks.py --from-json                # re-render the markdown
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
 
-from common import NUM_WORKERS, RESULTS, MiB, environment, load_config, write_results
+from common import (
+    NUM_WORKERS,
+    RESULTS,
+    MiB,
+    environment,
+    load_config,
+    read_results,
+    write_markdown,
+    write_results,
+)
 
 VARIANTS = ("ef", "w+2d")
 
@@ -160,7 +170,7 @@ def _mib(n: float) -> str:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    lines = ["# Scanned layers against layers written out", "", "<!-- prose: about -->", ""]
+    lines = ["# Scanned layers against layers written out", ""]
     part = payload.get("compile")
     if part:
         lines += [
@@ -221,6 +231,7 @@ def markdown(payload: dict[str, Any]) -> str:
             f"parameter magnitude {part['max_param_magnitude']:.2f}).",
             "",
         ]
+    lines += ["<!-- prose: about -->"]
     return "\n".join(lines)
 
 
@@ -233,12 +244,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="results directory (default: results/)")
     parser.add_argument("--merge", action="store_true", help="keep the other parts' results")
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else RESULTS
+    if args.from_json:
+        write_markdown("layer_stacks", markdown(read_results("layer_stacks", out)), out)
+        return
 
     from resireduce_jax import runtime
 
     runtime.configure_cpu(num_devices=NUM_WORKERS)
-    out = Path(args.out) if args.out else RESULTS
     previous = out / "layer_stacks.json"
     payload: dict[str, Any] = {}
     if args.merge and previous.exists():

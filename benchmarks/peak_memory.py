@@ -10,6 +10,7 @@ and lists what is alive at the peak. What the figures mean: ``results/peak_memor
     python benchmarks/peak_memory.py                       # all cases, both guards (long)
     python benchmarks/peak_memory.py --models resnet50 --guard plain --variants w+2d
     python benchmarks/peak_memory.py --models resnet50 --explain /tmp/rr_dump
+    python benchmarks/peak_memory.py --from-json           # re-render the markdown
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from common import (
     MiB,
     environment,
     guard_name,
+    read_results,
+    write_markdown,
     write_results,
 )
 
@@ -385,8 +388,14 @@ def _mib(nbytes: float) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["# Residual variants vs plain EF at the compiled peak of the train step", ""]
-    lines += ["<!-- prose: about -->", ""]
+    lines = [
+        "# Residual variants vs plain EF at the compiled peak of the train step",
+        "",
+        "Per worker, MiB; peak = argument + output - alias + temp of the compiled step, "
+        "drop / saving = (EF's peak - the variant's) / (EF's residual bytes - the "
+        "variant's). What is measured and where the goal holds: below the tables.",
+        "",
+    ]
     for model in dict.fromkeys(r["model"] for r in results):
         rows = [r for r in results if r["model"] == model]
         lines += [
@@ -411,6 +420,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                     f"| {_mib(s['temp'])} | {_mib(s['residual_bytes'])} | {compared} |"
                 )
         lines.append("")
+    lines += ["<!-- prose: about -->", ""]
     lines += _copies_section(results)
     lines += _explain_section(results)
     return "\n".join(lines)
@@ -476,9 +486,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--explain", metavar="DIR", help="dump the steps and show what is alive at the peak"
     )
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     parser.add_argument("--_one", help=argparse.SUPPRESS)
     parser.add_argument("--_guard", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.from_json:
+        out = args.out or RESULTS
+        write_markdown("peak_memory", markdown(read_results("peak_memory", out)["results"]), out)
+        return
 
     from resireduce_jax import runtime
 

@@ -494,7 +494,7 @@ def accounting_markdown(check: list[dict]) -> list[str]:
         "",
         "Sampled plans of six-stage chains (batch 256), each compiled; model peaks with "
         "δ_t freed by the backward of stage t − 1 (rotor's accounting, the solver's) and "
-        "held through the whole segment (the solver's before). *held − freed*: the δ bytes "
+        "held through the whole segment (the held accounting). *held − freed*: the δ bytes "
         "the held accounting adds at its peak. *slope*: least squares of compiled − freed "
         "on held − freed (1 if XLA kept those cotangents, 0 if it freed them).",
         "",

@@ -12,6 +12,7 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
     python benchmarks/step_time.py --weight-update-order   # the config's variant, the step's
                                                            # default order vs "unordered"
     python benchmarks/step_time.py --backward-order        # streamed vs "free"
+    python benchmarks/step_time.py --from-json [--backward-order]   # re-render the markdown
 
 ``--weight-update-order`` writes ``step_time_order.{json,md}`` instead: the config's variant
 with ``data_parallel_step``'s default ``weight_update_order="last_read"`` (each weight
@@ -28,7 +29,16 @@ import statistics
 import time
 from typing import Any, NamedTuple
 
-from common import NUM_WORKERS, RESULTS, Case, environment, guard_name, write_results
+from common import (
+    NUM_WORKERS,
+    RESULTS,
+    Case,
+    environment,
+    guard_name,
+    read_results,
+    write_markdown,
+    write_results,
+)
 
 CASES: dict[str, Case] = {
     "resnet50": Case(
@@ -106,19 +116,21 @@ def _batch(model_config, rows: int, seq_len: int, seed: int):
 
 
 class Runner:
-    """One variant's initialized state and jitted step; ``run(n)`` times ``n`` steps.
+    """The initialized state and jitted step of ``task`` trained with ``config`` on
+    ``NUM_WORKERS`` CPU workers, on one synthetic batch; ``run(n)`` times ``n`` steps.
 
-    ``config``: the case's config with other settings (default ``case.load()``).
-    ``options``: arguments of the step (``data_parallel_step``'s ``weight_update_order``,
-    ``backward_order``).
+    ``guard``: the default non-finite guard, or none. ``options``: arguments of the step
+    (``data_parallel_step``'s ``weight_update_order``, ``backward_order``).
     """
 
     def __init__(
         self,
-        case: Case,
-        variant: str,
-        guard: bool,
-        config=None,
+        task,
+        config,
+        batch_per_worker: int,
+        seq_len: int = 0,
+        *,
+        guard: bool = True,
         options: dict[str, str] | None = None,
     ):
         import jax
@@ -126,14 +138,11 @@ class Runner:
         import resireduce_jax as rr
         from train import compiled_step
 
-        config = compiled_step.with_variant(config or case.load(), variant)
-        task = compiled_step.build_task(config)
-        model_config = task.model_config
         mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
         self.step = compiled_step.build_step(task, tx, mesh, **(options or {}))
-        batch = _batch(model_config, NUM_WORKERS * case.batch_per_worker, case.seq_len, seed=0)
-        per_worker = {k: v[: case.batch_per_worker] for k, v in batch.items()}
+        batch = _batch(task.model_config, NUM_WORKERS * batch_per_worker, seq_len, seed=0)
+        per_worker = {k: v[:batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
         params = variables.pop("params")
         self.model_state = rr.parallel.replicated(variables, mesh)
@@ -142,6 +151,23 @@ class Runner:
         self.key = jax.random.PRNGKey(1)
         self.count = 0
         self.loss = float("nan")
+
+    @classmethod
+    def of_variant(
+        cls,
+        case: Case,
+        variant: str,
+        guard: bool,
+        config=None,
+        options: dict[str, str] | None = None,
+    ) -> Runner:
+        """A case's model with residual ``variant`` (``config``: the case's config with
+        other settings, default ``case.load()``)."""
+        from train import compiled_step
+
+        config = compiled_step.with_variant(config or case.load(), variant)
+        task = compiled_step.build_task(config)
+        return cls(task, config, case.batch_per_worker, case.seq_len, guard=guard, options=options)
 
     def run(self, steps: int) -> float:
         import jax
@@ -181,7 +207,8 @@ def measure(
     labels = tuple(runs)
     start = time.perf_counter()
     runners = {
-        label: Runner(case, v, guard, options=options) for label, (v, options) in runs.items()
+        label: Runner.of_variant(case, v, guard, options=options)
+        for label, (v, options) in runs.items()
     }
     for runner in runners.values():  # compile, then warm up
         runner.run(1)
@@ -236,8 +263,6 @@ def markdown(results: list[dict[str, Any]], compare: Comparison | None = None) -
             "quartiles are over per-repetition ratios. Goal: ratio <= 1.05 (the paper: "
             "<= 1.02 on GPUs).",
             "",
-            "<!-- prose: about -->",
-            "",
             "| model | guard | EF s/step | w+2d s/step | ratio | ratio IQR | repeats x steps |",
             "|---|---|---:|---:|---:|---:|---:|",
         ]
@@ -251,6 +276,8 @@ def markdown(results: list[dict[str, Any]], compare: Comparison | None = None) -
         )
     lines += ["", "Models:", ""]
     lines += [f"* {r['model']}: {r['description']}" for r in results]
+    if compare is None:
+        lines += ["", "<!-- prose: about -->"]
     return "\n".join(lines) + "\n"
 
 
@@ -272,17 +299,25 @@ def main(argv: list[str] | None = None) -> None:
         help='time the streamed backward pass against "free" instead',
     )
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    )
     args = parser.parse_args(argv)
-
-    from resireduce_jax import runtime
-
-    runtime.configure_cpu(NUM_WORKERS)
 
     compare = None
     if args.weight_update_order:
         compare = COMPARISONS["weight_update_order"]
     elif args.backward_order:
         compare = COMPARISONS["backward_order"]
+    name = compare.output if compare else "step_time"
+    if args.from_json:
+        results = read_results(name, args.out)["results"]
+        write_markdown(name, markdown(results, compare), args.out)
+        return
+
+    from resireduce_jax import runtime
+
+    runtime.configure_cpu(NUM_WORKERS)
     results = []
     for name in args.models:
         r = measure(
@@ -301,10 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     payload = environment(num_workers=NUM_WORKERS, results=results)
-    if compare is not None:
-        write_results(compare.output, payload, markdown(results, compare), args.out)
-    else:
-        write_results("step_time", payload, markdown(results), args.out)
+    write_results(name, payload, markdown(results, compare), args.out)
 
 
 if __name__ == "__main__":

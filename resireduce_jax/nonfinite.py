@@ -298,10 +298,10 @@ def skip_nonfinite(
         axes = _decision_axes(axis_name, leaves)
         if mode == "loss" and loss_ok is not None:
             # Decided before the backward pass: nothing waits for it. No per-leaf flag is
-            # reduced over the workers: XLA:CPU ran such a pmin (it needs every gradient)
-            # before the exchange's own collectives and so held every gradient until the
-            # last one existed (+21 % on the wide MLP of benchmarks/guard_cost.py, also
-            # when it was traced after the exchange or tied to the new state).
+            # reduced over the workers: XLA:CPU runs such a pmin (it needs every gradient)
+            # before the exchange's own collectives and so holds every gradient until the
+            # last one exists (+21 % on the wide MLP of benchmarks/guard_cost.py, also
+            # when it is traced after the exchange or tied to the new state).
             ok = jnp.asarray(loss_ok, bool)
             bad_leaf = jnp.where(ok, jnp.int32(NO_BAD_LEAF), jnp.int32(LOSS))
             safe = [_replaced(g, lambda b: ok & jnp.isfinite(b), -0.0) for g in leaves]

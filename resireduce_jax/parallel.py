@@ -16,13 +16,16 @@ this work (docs/design.md, "One training step" and "Hidden dense all-reduce"):
   :func:`state_partition_specs` finds out which is which by tracing one abstract update:
   a state leaf is per-worker iff its updated value varies over the axis.
 
-On CPU with simulated devices, do not queue dozens of steps without blocking: XLA:CPU's
-collective rendezvous can time out (docs/design.md, "CPU collectives and queued steps").
-Block on a result every few steps.
+On the CPU backend the step bounds how many of its calls are queued at once
+(:attr:`DataParallelStep.max_steps_in_flight`): XLA:CPU runs every simulated device's
+program on one thread pool, and with many steps queued the threads of devices already
+waiting in a later step's collective starve the devices still computing, until the
+collective's rendezvous times out (docs/design.md, "CPU collectives and queued steps").
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -44,6 +47,7 @@ AxisName = str | tuple[str, ...]
 
 __all__ = [
     "BACKWARD_ORDERS",
+    "CPU_STEPS_IN_FLIGHT",
     "LOCAL_AXIS",
     "WEIGHT_UPDATE_ORDERS",
     "DataParallelStep",
@@ -66,6 +70,10 @@ WEIGHT_UPDATE_ORDERS = ("last_read", "all_gradients", "unordered")
 
 BACKWARD_ORDERS = ("streamed", "free")
 """Values of :func:`data_parallel_step`'s ``backward_order``."""
+
+CPU_STEPS_IN_FLIGHT = 2
+"""Calls of a CPU step queued at once by default: the next step is dispatched while the
+previous one runs, never more (docs/design.md, "CPU collectives and queued steps")."""
 
 
 def make_mesh(
@@ -199,7 +207,7 @@ def unstack_per_worker(tree: PyTree, specs: PyTree) -> PyTree:
     Each squeezed leaf passes through an ``optimization_barrier``, which changes no value.
     Without it XLA fuses the squeeze (a bitcast) into the first consumer, e.g. the
     compensation ``G + R`` of error feedback; a fusion that reads a donated buffer through
-    a bitcast may not write its result into that buffer, so the new residual was computed
+    a bitcast may not write its result into that buffer, so the new residual is computed
     elsewhere and copied back at the end of the step: one residual-sized copy per leaf
     (measured: 22.5 MiB on ResNet-50 width 32, 88 MiB on the 6-block transformer of
     ``benchmarks/guard_cost.py``). Behind the barrier the consumer reads the donated buffer
@@ -340,6 +348,11 @@ class DataParallelStep:
     Build it with :func:`data_parallel_step`. Call :meth:`init` once, then call the object.
     Argument order of a call: ``(params, opt_state[, model_state], batch[, rng])``;
     ``params``, ``opt_state`` and ``model_state`` are donated.
+
+    A call returns as soon as its step is dispatched, unless ``max_steps_in_flight`` steps
+    would then be queued: it first waits for the oldest queued step to finish (its
+    metrics). ``max_steps_in_flight=None`` (default) is :data:`CPU_STEPS_IN_FLIGHT` on the
+    CPU backend and unbounded elsewhere.
     """
 
     loss_fn: Callable[..., Any]
@@ -353,9 +366,11 @@ class DataParallelStep:
     donate: bool = True
     weight_update_order: str = "last_read"
     backward_order: str = "streamed"
+    max_steps_in_flight: int | None = None
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    _in_flight: collections.deque = dataclasses.field(default_factory=collections.deque, repr=False)
 
     @property
     def worker_axes(self) -> AxisName:
@@ -484,10 +499,23 @@ class DataParallelStep:
         rng = args.pop(0) if self.with_rng else None
         return params, opt_state, model_state, batch, rng
 
+    @property
+    def steps_in_flight_limit(self) -> int | None:
+        """The bound :meth:`__call__` keeps on queued steps (``None``: unbounded)."""
+        if self.max_steps_in_flight is not None:
+            return self.max_steps_in_flight
+        return CPU_STEPS_IN_FLIGHT if self.mesh.devices.flat[0].platform == "cpu" else None
+
     def __call__(self, params, opt_state, *args):
         """One step. Returns ``(params, opt_state[, model_state], metrics)``."""
         full = self._full_args(params, opt_state, *args)
+        limit = self.steps_in_flight_limit
+        if limit is not None:
+            while len(self._in_flight) >= limit:
+                jax.block_until_ready(self._in_flight.popleft())
         params, opt_state, new_ms, metrics = self._jitted()(*full)
+        if limit is not None:
+            self._in_flight.append(metrics)
         if self.with_model_state:
             return params, opt_state, new_ms, metrics
         return params, opt_state, metrics
@@ -506,6 +534,7 @@ def data_parallel_step(
     donate: bool = True,
     weight_update_order: str = "last_read",
     backward_order: str = "streamed",
+    max_steps_in_flight: int | None = None,
 ) -> DataParallelStep:
     """Builds the jitted, donated data-parallel train step over ``mesh``.
 
@@ -550,6 +579,11 @@ def data_parallel_step(
         through the exchange whatever order XLA's scheduler would prefer
         (:mod:`resireduce_jax.backward_order`). ``"free"``: XLA's scheduler alone
         decides, and may run every weight gradient after the last layer's cotangent.
+      max_steps_in_flight: at most this many calls of the step are queued at once; a call
+        that would exceed it first waits for the oldest to finish. ``None`` (default):
+        :data:`CPU_STEPS_IN_FLIGHT` (2) on the CPU backend, where more queued steps can
+        starve a collective's rendezvous until it aborts the process (docs/design.md,
+        "CPU collectives and queued steps"), and unbounded on GPU and TPU.
 
     With a guarded ``tx`` (a :class:`~resireduce_jax.SkipNonFiniteState` in its state) the
     step takes its gradients from :func:`~resireduce_jax.nonfinite.value_and_guarded_grad`
@@ -578,6 +612,15 @@ def data_parallel_step(
             f"backward_order={backward_order!r}: choose one of "
             f"{', '.join(map(repr, BACKWARD_ORDERS))}."
         )
+    if max_steps_in_flight is not None and (
+        isinstance(max_steps_in_flight, bool)
+        or not isinstance(max_steps_in_flight, int)
+        or max_steps_in_flight < 1
+    ):
+        raise ValueError(
+            f"max_steps_in_flight={max_steps_in_flight!r}: give a positive int, or None for "
+            "the backend's default."
+        )
     workers = {axis_name, local_axis} - {None}
     if set(mesh.axis_names) != workers:
         raise ValueError(
@@ -597,4 +640,5 @@ def data_parallel_step(
         donate=donate,
         weight_update_order=weight_update_order,
         backward_order=backward_order,
+        max_steps_in_flight=max_steps_in_flight,
     )

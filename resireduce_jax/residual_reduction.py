@@ -234,8 +234,7 @@ def resireduce(
       row_ratio: fraction of rows kept (default 0.25 for ``"rows"``, 0.5 for ``"2d"``: both
         keep 25 % of the elements, as in the paper's Fig. 7). The reference code's
         ResiReduce-d (``dimcprs.py``) keeps all rows and half of the columns instead:
-        ``intra="2d", row_ratio=1.0, col_ratio=0.5`` (README, "Reproducing the reference
-        code").
+        ``intra="2d", row_ratio=1.0, col_ratio=0.5`` (docs/reference_code.md).
       col_ratio: fraction of columns kept by ``"2d"``.
       selection: ``"top"`` (rows/columns of largest L1 norm, the paper) or
         ``"softmax_sample"`` (sampled without replacement with probabilities

@@ -20,6 +20,13 @@ the flags that address them:
   enough).
 * ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
   than for concurrency, so that compiled peak-memory figures are meaningful.
+* ``PJRT_NPROC`` (``intra_op_threads``) sizes XLA:CPU's intra-op (Eigen) thread pool.
+  XLA makes it ``max(cores, devices of this process)``, and Eigen's matrix products cut
+  their sums by the pool's size, so by default a worker's local gradient rounds
+  differently in a process that drives 4 devices than in one that drives 8 (on a machine
+  with fewer cores). The processes of a job that all pass the same value
+  (:func:`default_intra_op_threads` of the whole job's devices) compute every local
+  gradient bit for bit alike in every process layout.
 
 Every flag is added whatever the platform. The host-device and ``xla_cpu_*`` flags only
 affect XLA:CPU; GPU and TPU backends ignore them. ``--xla_disable_hlo_passes`` applies to
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["configure_cpu", "cpu_flags"]
+__all__ = ["configure_cpu", "cpu_flags", "default_intra_op_threads"]
 
 
 def cpu_flags(
@@ -76,18 +83,31 @@ def cpu_flags(
     return flags
 
 
+def default_intra_op_threads(num_devices: int) -> int:
+    """The intra-op thread pool XLA:CPU gives one process that drives ``num_devices``
+    devices: ``max(schedulable cores, num_devices)``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(cores or 1, num_devices)
+
+
 def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def configure_cpu(num_devices: int | None = 8, **kwargs) -> str:
+def configure_cpu(
+    num_devices: int | None = 8, *, intra_op_threads: int | None = None, **kwargs
+) -> str:
     """Merges :func:`cpu_flags` into ``XLA_FLAGS`` before JAX starts its backends.
 
-    Flags the user already set in ``XLA_FLAGS`` win over ours. Must be called before the
-    first JAX computation (importing JAX is fine).
+    Flags the user already set in ``XLA_FLAGS`` (and a ``PJRT_NPROC`` already set) win over
+    ours. Must be called before the first JAX computation (importing JAX is fine).
 
     Args:
       num_devices: number of simulated CPU devices (``None``: leave as is).
+      intra_op_threads: threads of XLA:CPU's intra-op pool (``PJRT_NPROC``; ``None``:
+        XLA's choice, ``max(cores, num_devices)``). The processes of one job pass the
+        same value, e.g. ``default_intra_op_threads(devices of the whole job)``, for local
+        results that do not depend on the process layout.
       **kwargs: forwarded to :func:`cpu_flags`.
 
     Returns:
@@ -108,4 +128,6 @@ def configure_cpu(num_devices: int | None = 8, **kwargs) -> str:
     have = {_flag_name(f) for f in existing}
     merged = existing + [f for f in cpu_flags(num_devices, **kwargs) if _flag_name(f) not in have]
     os.environ["XLA_FLAGS"] = " ".join(merged)
+    if intra_op_threads is not None:
+        os.environ.setdefault("PJRT_NPROC", str(intra_op_threads))
     return os.environ["XLA_FLAGS"]

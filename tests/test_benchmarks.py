@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -36,6 +37,44 @@ ENTRY %main.1 (param.1: f32[4,8], param.2: f32[16]) -> (f32[4,8], f32[4,8], f32[
   ROOT %tuple.5 = (f32[4,8]{0,1}, f32[4,8]{1,0}, f32[16]{0}) tuple(%copy.1, %fusion.4, %copy.2)
 }
 """
+
+
+# Imports every benchmark module, then every module any benchmark imports anywhere (at the
+# top or inside a function), with the packages of the test extras blocked.
+_IMPORT_WITHOUT_TEST_TOOLS = """
+import ast, importlib, pathlib, sys
+for name in ("pytest", "hypothesis", "tests", "tensorflow_datasets"):
+    sys.modules[name] = None  # `import name` now raises ImportError
+benchmarks = pathlib.Path("benchmarks")
+sys.path.insert(0, str(benchmarks))
+imported = set()
+for path in sorted(benchmarks.glob("*.py")):
+    importlib.import_module(path.stem)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module)
+for name in sorted(imported):
+    importlib.import_module(name)
+print(len(imported), "modules")
+"""
+
+
+def test_benchmarks_need_no_test_tools():
+    """pyproject: the benchmarks run with the ``[train]`` extra alone (no pytest, hypothesis,
+    tests/ or the ``[tfds]`` extra)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WITHOUT_TEST_TOOLS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "modules" in done.stdout
 
 
 def test_copies_tell_layout_transposes_from_real_copies():
@@ -288,3 +327,42 @@ def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
         "  Live ranges at 5 (peak):\n"
     )
     assert peak_memory.temp_packing(str(tmp_path)) == {"allocation": 300, "most_alive": 200}
+
+
+RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
+    ("step_time", [], "step_time.md"),
+    ("step_time", ["--backward-order"], "step_time_backward.md"),
+    ("step_time", ["--weight-update-order"], "step_time_order.md"),
+    ("guard_cost", [], "guard_cost.md"),
+    ("memory_figures", [], "memory_figures.md"),
+    ("peak_memory", [], "peak_memory.md"),
+    ("fit", [], "fit.md"),
+    ("hierarchical", [], "hierarchical.md"),
+    ("faults", [], "reliability.md"),
+    ("accuracy", [], "accuracy.md"),
+    ("accuracy", [], "accuracy_long/accuracy.md"),
+]
+
+
+@pytest.mark.parametrize(("script", "extra", "page"), RENDERED, ids=[r[2] for r in RENDERED])
+def test_committed_results_page_is_what_its_json_renders(script, extra, page, tmp_path):
+    """Each page's tables come from its JSON (``--from-json``), table first, prose after."""
+    import importlib
+    import shutil
+
+    committed = os.path.join(common.RESULTS, page)
+    folder = os.path.dirname(committed)
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(folder, name), tmp_path)
+    module = importlib.import_module(script)
+    if script == "accuracy":
+        module.main(["--from-json", str(tmp_path / "accuracy.json"), "--out", str(tmp_path)])
+    else:
+        module.main(["--from-json", "--out", str(tmp_path), *extra])
+    rendered = (tmp_path / os.path.basename(page)).read_text()
+    with open(committed) as f:
+        assert rendered == f.read()
+    first_table = rendered.index("\n|")
+    first_prose = rendered.find("<!-- prose:")
+    assert first_prose == -1 or first_table < first_prose

@@ -73,18 +73,30 @@ def test_helpfull_shows_the_usage_too():
             "dataset.train_files",
         ),
         (["--config.model.name=no_such_model"], "model.name"),
+        (["--config.memory.budget=abc"], "memory.budget"),
+        (["--plan_only"], "--plan_only"),
+        (["--config.optimizer.name=no_such_optimizer"], "optimizer.name"),
+        (["--config.optimizer.kwargs.no_such_argument=1"], "no_such_argument"),
+        (["--config.compression.compressor=no_such_compressor"], "compression.compressor"),
     ],
 )
 def test_bad_values_print_one_line_and_exit_2(tmp_path, args, key):
+    """Each mistake is found before the workdir is created: nothing is left behind."""
     result = run_cli("--workdir", str(tmp_path / "run"), *args)
     assert_user_error(result, key)
-    assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_workdir_that_is_a_file(tmp_path):
     path = tmp_path / "a_file"
     path.write_text("")
     assert_user_error(run_cli("--workdir", str(path)), "--workdir")
+
+
+def test_workdir_under_a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("")
+    assert_user_error(run_cli("--workdir", str(path / "run")), "cannot be created")
 
 
 def test_missing_workdir():

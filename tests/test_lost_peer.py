@@ -1,12 +1,12 @@
 """A lost peer ends the other processes of a job cleanly (train/supervisor.py).
 
-The real program runs as 2 processes on 127.0.0.1 (tests/test_multiprocess.py's
-``LocalJob``); one is SIGKILLed mid-run, or never started. The survivor must stop within
-the timeout with exit status ``supervisor.EXIT_PEER_LOST`` (not an abort), print one
-message naming the lost process, the step, the last complete checkpoint and the command
-that resumes, keep JAX's C++ report and thread dump out of the console (they go to the
-crash log), and leave metrics.jsonl and TensorBoard flushed. The same holds when the job
-runs the hierarchical exchange with one process per node (``local_devices``).
+The real program runs as 2 processes on 127.0.0.1 (``train.local_job.LocalJob``); one is
+SIGKILLed mid-run, or never started. The survivor must stop within the timeout with exit
+status ``supervisor.EXIT_PEER_LOST`` (not an abort), print one message naming the lost
+process, the step, the last complete checkpoint and the command that resumes, keep JAX's
+C++ report and thread dump out of the console (they go to the crash log), and leave
+metrics.jsonl and TensorBoard flushed. The same holds when the job runs the hierarchical
+exchange with one process per node (``local_devices``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import time
 
 import pytest
 
-from tests.test_multiprocess import JOB, ROOT, LocalJob, committed_steps
+from tests.test_multiprocess import JOB
 from train import supervisor
+from train.local_job import ROOT, LocalJob, committed_steps
 
 TIMEOUT_S = 5  # --collective_timeout_s: the survivor stops this long after the loss
 # Long enough that the kill lands mid-run; checkpoints every 6 steps.

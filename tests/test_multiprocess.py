@@ -6,20 +6,15 @@ on one machine"), each simulating ``num_workers / num_processes`` devices and fe
 own rows of every global batch.
 Ports are picked free, every wait is bounded, and children are killed in ``finally``.
 
-:class:`LocalJob` is also used by ``tests/test_lost_peer.py`` and ``benchmarks/faults.py``.
+Jobs are started by :class:`train.local_job.LocalJob`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -27,12 +22,18 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpointing, train
 from train import metrics as metrics_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STARTUP_TIMEOUT_S = 180  # import, distributed start-up and compilation, on a loaded machine
-RUN_TIMEOUT_S = 300
+from train import train
+from train.local_job import (
+    DIGEST,
+    RESUMED,
+    ROOT,
+    STARTUP_TIMEOUT_S,
+    STOPPED,
+    LocalJob,
+    committed_steps,
+    free_port,
+)
 
 # The job every test runs (a short version of configs/default.py on 4 workers).
 JOB = {
@@ -44,9 +45,6 @@ JOB = {
     "checkpoint_every": 6,  # not a multiple of train.STOP_SYNC_EVERY (where SIGTERM stops)
     "keep_checkpoints": 10,
 }
-DIGEST = re.compile(r"Process (\d+): params sha256 ([0-9a-f]{64})")
-STOPPED = re.compile(r"Stopping: checkpointed step (\d+)\.")
-RESUMED = re.compile(r"Resumed from checkpoint at step (\d+)")
 
 # Runs the training program with NaN written into one image of global batch `step`, in
 # global row `row` (so only the worker and the process holding that row see it).
@@ -73,143 +71,6 @@ main.cli()
 """
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalJob:
-    """``num_processes`` processes of the training program on 127.0.0.1, as one job.
-
-    Use as a context manager: leaving the block kills every process still running.
-    Output of process ``i`` goes to ``<workdir>.run<n>.p<i>.log`` (``n``: the how-manyth
-    job in this workdir). ``config`` is relative to the repository root.
-    """
-
-    def __init__(
-        self,
-        workdir: str,
-        num_processes: int,
-        overrides: dict[str, Any],
-        flags: Sequence[str] = (),
-        *,
-        program: Sequence[str] = ("-m", "train"),
-        config: str = "configs/default.py",
-    ):
-        self.workdir = str(workdir)
-        self.num_processes = num_processes
-        self.procs: list[subprocess.Popen] = []
-        launch = 0  # jobs resumed in the same workdir get their own logs
-        while os.path.exists(f"{self.workdir}.run{launch}.p0.log"):
-            launch += 1
-        self.log_paths = [f"{self.workdir}.run{launch}.p{i}.log" for i in range(num_processes)]
-        port = free_port()
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-        env.pop("XLA_FLAGS", None)  # the program sets its own (num_workers / processes)
-        args = [f"--config={config}", f"--workdir={self.workdir}"]
-        args += [f"--config.{k}={v}" for k, v in overrides.items()]
-        args += list(flags)
-        try:
-            for i in range(num_processes):
-                multi = []
-                if num_processes > 1:
-                    multi = [
-                        f"--coordinator_address=127.0.0.1:{port}",
-                        f"--num_processes={num_processes}",
-                        f"--process_id={i}",
-                    ]
-                with open(self.log_paths[i], "wb") as log:
-                    self.procs.append(
-                        subprocess.Popen(
-                            [sys.executable, *program, *args, *multi],
-                            cwd=ROOT,
-                            env=env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
-        except BaseException:
-            self.kill()
-            raise
-
-    def __enter__(self) -> LocalJob:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILLs every process of this job that is still running, and reaps it."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait(timeout=30)  # SIGKILL cannot be ignored
-
-    def send(self, sig: int, processes: Sequence[int] | None = None) -> None:
-        for i, p in enumerate(self.procs):
-            if (processes is None or i in processes) and p.poll() is None:
-                p.send_signal(sig)
-
-    def last_step(self) -> int:
-        """The newest training step process 0 has logged (0 if none)."""
-        path = os.path.join(self.workdir, "metrics.jsonl")
-        if not os.path.exists(path):
-            return 0
-        step = 0
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line being written
-                    continue
-                if record.get("split") == "train":
-                    step = max(step, int(record["step"]))
-        return step
-
-    def wait_for_step(self, step: int, timeout: float = STARTUP_TIMEOUT_S) -> int:
-        """Blocks until metrics show ``step`` (returns the step seen); fails on exit/timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            seen = self.last_step()
-            if seen >= step:
-                return seen
-            if any(p.poll() is not None for p in self.procs):
-                raise AssertionError(
-                    f"A process exited before step {step}:\n{self.output(0)[-3000:]}"
-                )
-            time.sleep(0.02)
-        raise AssertionError(f"No step {step} after {timeout} s:\n{self.output(0)[-3000:]}")
-
-    def wait(self, timeout: float = RUN_TIMEOUT_S, processes: Sequence[int] | None = None):
-        """Exit codes of the given processes (all by default); fails if one outlives ``timeout``."""
-        deadline = time.monotonic() + timeout
-        codes = []
-        for i, p in enumerate(self.procs):
-            if processes is not None and i not in processes:
-                continue
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(
-                    f"Process {i} still running after {timeout} s (hang):\n{self.output(i)[-3000:]}"
-                ) from None
-        return codes
-
-    def output(self, i: int) -> str:
-        with open(self.log_paths[i], errors="replace") as f:
-            return f.read()
-
-    def digests(self) -> dict[int, str]:
-        found = {}
-        for i in range(self.num_processes):
-            for pid, digest in DIGEST.findall(self.output(i)):
-                found[int(pid)] = digest
-        return found
-
-
 def run_to_completion(workdir, num_processes, overrides=JOB, flags=()) -> LocalJob:
     """Runs a job to its end; asserts that every process exits 0 with the same digest."""
     with LocalJob(workdir, num_processes, overrides, flags) as job:
@@ -219,17 +80,6 @@ def run_to_completion(workdir, num_processes, overrides=JOB, flags=()) -> LocalJ
     assert sorted(digests) == list(range(num_processes)), digests
     assert len(set(digests.values())) == 1, digests
     return job
-
-
-def committed_steps(workdir: str) -> list[int]:
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(
-        int(name)
-        for name in os.listdir(directory)
-        if name.isdigit() and checkpointing.is_committed(os.path.join(directory, name))
-    )
 
 
 def config_for(overrides: dict[str, Any]):
@@ -296,15 +146,145 @@ def test_two_processes_match_one_process_with_the_same_devices_per_process(tmp_p
 def test_two_by_two_processes_are_close_to_one_process_with_four_workers(reference, tmp_path):
     """2 processes x 2 devices vs 1 process x 4 workers: same losses, params within 5 %.
 
-    Not bit-identical: XLA:CPU rounds the local-gradient dot products differently when a
-    process drives 4 devices instead of 2 (same HLO and inputs; measured: the local
-    gradients differ in the last bits at step 1), and a 4-worker dense mean may add in
-    another order over gloo. Error feedback with Top-k turns such 1-ulp differences into
-    a few different selections, so the trajectories drift apart slowly (measured: 1.5 % of
-    the distance travelled after 24 steps). A wrong data shard or a broken exchange moves
-    the params by the order of the distance travelled itself.
+    Not bit-identical: the dense all-reduce adds in another order over gloo (below), and
+    this process, which trains the reference, runs its 8 simulated devices with another
+    intra-op thread pool than the program's (``runtime.configure_cpu``), so its local
+    gradients round differently too. Error feedback with Top-k turns such 1-ulp
+    differences into a few different selections, so the trajectories drift apart slowly.
+    A wrong data shard or a broken exchange moves the params by the order of the
+    distance travelled itself.
     """
     assert_close_to_one_process(reference, config_for(JOB), str(tmp_path / "single"))
+
+
+# The dense all-reduce of 8 float32 vectors (row d of <out>.in.npy on device d of the
+# program's mesh) in `processes` processes of 8 / processes devices; argv: processes, this
+# process's index, coordinator port, <out> (the result goes to <out>.npy).
+ALL_REDUCE_PROBE = """
+import sys
+processes, index, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from resireduce_jax import runtime
+runtime.configure_cpu(8 // processes)
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from resireduce_jax import parallel
+from train import distributed
+
+setup = distributed.ProcessSetup(f"127.0.0.1:{port}", processes, index)
+distributed.start(setup, initialization_timeout_s=60)
+x = np.load(out + ".in.npy")
+mesh = parallel.make_mesh(8)
+rows = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data")), lambda i: x[i])
+total = jax.jit(
+    jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+)(rows)
+if index == 0:
+    np.save(out + ".npy", np.asarray(total.addressable_shards[0].data)[0])
+"""
+
+
+def _all_reduce(x: np.ndarray, processes: int, out: str) -> np.ndarray:
+    np.save(out + ".in.npy", x)
+    port, env = free_port(), {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ALL_REDUCE_PROBE, str(processes), str(i), str(port), out],
+            cwd=ROOT,
+            env={**env, "PYTHONPATH": ROOT},
+        )
+        for i in range(processes)
+    ]
+    try:
+        assert [p.wait(timeout=STARTUP_TIMEOUT_S) for p in procs] == [0] * processes
+    finally:
+        for p in procs:
+            p.kill()
+    return np.load(out + ".npy")
+
+
+def _sum_in_order(x: np.ndarray, order) -> np.ndarray:
+    total = x[order[0]].copy()
+    for d in order[1:]:
+        total += x[d]  # float32, one addition at a time
+    return total
+
+
+@pytest.mark.slow
+def test_the_all_reduce_adds_in_device_order_in_one_process_and_ring_order_across(tmp_path):
+    """Why 1 x 8 and 2 x 4 differ in the last bits: the dense all-reduce's summation order.
+
+    In one process XLA:CPU adds the 8 devices' values in device order. Across processes
+    gloo runs a ring all-reduce with every device as one rank: the buffer is cut into 8
+    chunks and chunk ``c`` is summed around the ring starting at rank ``c - 1``, downward.
+    Float addition is not associative, so the two layouts round differently.
+    """
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 1024)) * 10.0 ** rng.integers(-4, 4, (8, 1024))).astype(np.float32)
+    one, two = _all_reduce(x, 1, str(tmp_path / "1x8")), _all_reduce(x, 2, str(tmp_path / "2x4"))
+    np.testing.assert_array_equal(one, _sum_in_order(x, range(8)))
+    chunks = np.split(np.arange(x.shape[1]), 8)
+    ring = np.concatenate(
+        [_sum_in_order(x[:, c], [(i - 1 - k) % 8 for k in range(8)]) for i, c in enumerate(chunks)]
+    )
+    np.testing.assert_array_equal(two, ring)
+    assert np.any(one != two)
+    bound = 7 * np.finfo(np.float32).eps * np.abs(x).sum(0)  # of any summation order
+    assert np.all(np.abs(one - two) <= bound)
+
+
+# 8 workers in 1 process x 8 devices or 2 processes x 4 devices; a checkpoint every step.
+# 64 examples per worker: XLA:CPU's default intra-op pools (8 and 4 threads on a machine of
+# fewer cores) round these local gradients differently (runtime.configure_cpu).
+EIGHT = {**JOB, "num_workers": 8, "batch_size_per_worker": 64, "num_steps": 3}
+EIGHT["checkpoint_every"] = 1
+
+
+def _leaves(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _relative(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    difference = np.concatenate([np.ravel(a[k] - b[k]) for k in a])
+    return float(
+        np.linalg.norm(difference)
+        / np.linalg.norm(np.concatenate([np.ravel(x) for x in a.values()]))
+    )
+
+
+@pytest.mark.slow
+def test_one_by_eight_and_two_by_four_differ_only_by_the_dense_all_reduce(tmp_path):
+    """Same config and seed, 1 process x 8 devices vs 2 processes x 4 devices.
+
+    Data order, keys, init and every worker's local gradient are the same (the program
+    sizes the intra-op thread pool from the job, not from the process's devices): after
+    step 1 every worker's residuals and the compressed leaves (all-gathered, summed worker
+    after worker in one order, ``compressors.base.sparse_mean``) are equal bit for bit;
+    only the leaves reduced densely (fewer than ``compression.min_size`` elements:
+    ``psum``) differ, in the last bits (the order above). Later steps carry that rounding
+    on: after 3 steps the params still agree to 1e-6 relative (measured: about 1e-10).
+    """
+    single, multi = str(tmp_path / "1x8"), str(tmp_path / "2x4")
+    run_to_completion(single, 1, EIGHT)
+    run_to_completion(multi, 2, EIGHT)
+    min_size = config_for(EIGHT).compression.min_size
+    a, b = train.final_state(single, 1), train.final_state(multi, 1)
+    residuals = lambda state: {
+        k: x for k, x in _leaves(state["opt_state"]).items() if "residuals" in k
+    }
+    assert residuals(a) and all(x.shape[0] == 8 for x in residuals(a).values())
+    chex.assert_trees_all_equal(residuals(a), residuals(b))
+    params_a, params_b = _leaves(a["params"]), _leaves(b["params"])
+    dense = {k for k, x in params_a.items() if x.size < min_size}
+    assert dense and dense != set(params_a)
+    for key in set(params_a) - dense:
+        np.testing.assert_array_equal(params_a[key], params_b[key], err_msg=key)
+    assert any(np.any(params_a[k] != params_b[k]) for k in dense)
+    assert _relative(params_a, params_b) < 1e-6
+
+    a, b = train.final_state(single), train.final_state(multi)
+    assert _relative(_leaves(a["params"]), _leaves(b["params"])) < 1e-6
+    assert _relative(residuals(a), residuals(b)) < 1e-6
 
 
 # ------------------------------------------------------------------ preemption and crashes

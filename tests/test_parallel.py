@@ -164,3 +164,64 @@ def test_batch_not_divisible_by_workers_is_refused():
 def test_too_many_workers_is_refused():
     with pytest.raises(ValueError, match="devices are visible"):
         rr.parallel.make_mesh(len(jax.devices()) + 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_invalid_steps_in_flight_is_refused(bad):
+    with pytest.raises(ValueError, match="max_steps_in_flight"):
+        rr.parallel.data_parallel_step(
+            _loss,
+            rr.error_feedback(rr.compressors.topk(0.1)),
+            rr.parallel.make_mesh(W),
+            max_steps_in_flight=bad,
+        )
+
+
+# A plain loop: a new shard_batch every step, never blocking. On XLA:CPU with 8 simulated
+# devices a 256-wide MLP under AdamW used to abort in an all-gather's rendezvous within its
+# first steps (docs/design.md, "CPU collectives and queued steps"); the step's own bound
+# must let it finish, and the bound must change no value (the blocked loop's params).
+_UNBLOCKED_LOOP = """
+from resireduce_jax import runtime
+runtime.configure_cpu(8, collective_timeout_s=10)
+import jax, jax.numpy as jnp, numpy as np, optax
+import resireduce_jax as rr
+
+def loss(p, b):
+    h = b["x"]
+    for i in range(3):
+        h = jnp.tanh(h @ p[f"d{i}"])
+    return jnp.mean((h - b["y"]) ** 2)
+
+def train(block):
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {f"d{i}": jax.random.normal(keys[i], (256, 256)) / 16 for i in range(3)}
+    tx = optax.chain(rr.error_feedback(rr.compressors.topk(0.01)), optax.adamw(1e-3))
+    mesh = rr.parallel.make_mesh()
+    step = rr.parallel.data_parallel_step(loss, tx, mesh)
+    assert step.steps_in_flight_limit == rr.parallel.CPU_STEPS_IN_FLIGHT
+    params, state = step.init(params)
+    rng = np.random.default_rng(0)
+    for _ in range(120):
+        x = rng.standard_normal((64, 256), dtype=np.float32)
+        batch = rr.parallel.shard_batch({"x": x, "y": np.zeros_like(x)}, mesh)
+        params, state, metrics = step(params, state, batch)
+        if block:
+            jax.block_until_ready(metrics)
+    return jax.device_get(params)
+
+free, blocked = train(block=False), train(block=True)
+for k in free:
+    np.testing.assert_array_equal(free[k], blocked[k])
+print("OK")
+"""
+
+
+def test_unblocked_wide_loop_on_cpu_finishes_with_the_blocked_loops_params():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _UNBLOCKED_LOOP], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""The README's library example runs as written (in a fresh process: it configures jax)."""
+"""The README's library example, and docs/exchange.md's hierarchical one after it, run as
+written (in a fresh process: they configure jax)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import re
 import subprocess
 import sys
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+EXCHANGE_DOC = ROOT / "docs" / "exchange.md"
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+def _python_blocks(page: pathlib.Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
 
 
 def test_optax_chain_example_runs_and_reports_the_saving():
@@ -31,7 +34,8 @@ def test_optax_chain_example_runs_and_reports_the_saving():
 
 
 def test_hierarchical_example_runs_after_the_main_one():
-    main, hierarchical = (b for b in _python_blocks() if "rr.resireduce(" in b)
+    main = next(b for b in _python_blocks() if "rr.resireduce(" in b)
+    hierarchical = next(b for b in _python_blocks(EXCHANGE_DOC) if "rr.resireduce(" in b)
     flat_bytes = "\nflat = exchange.plan(params).residual_bytes()\n"
     script = main + flat_bytes + hierarchical + "\nprint('flat', flat, 'loss', metrics['loss'])\n"
     done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The README's table "Reproducing the reference code", row by row, against numpy.
+"""The table of docs/reference_code.md, row by row, against numpy.
 
 Every row maps one residual memory of the reference PyTorch code (zqming-cs/ResiReduce,
 ``resir_lib/memory/``) to arguments of this library. The reference's algorithm is
@@ -211,7 +211,7 @@ GROUPING = rr.grouping.regex(
     {r"features_(17|20|23)/kernel": "G1", r"features_(30|33)/kernel": "G2"}
 )
 INTRA_2D = r"classifier_0/kernel|word_embeddings"
-# The README table: the arguments of ``resireduce`` that reproduce each reference file
+# docs/reference_code.md's table: the arguments of ``resireduce`` that reproduce each reference file
 # (``None``: ``error_feedback``, which is ``resireduce(inter="none", intra="none")``).
 LIBRARY: dict[str, dict | None] = {
     "residual.py": None,
@@ -282,9 +282,9 @@ def assert_matches(got: np.ndarray, expected: np.ndarray, exact: bool, what: str
 
     Without shared groups every value is one float32 add or subtract of the same operands
     on both sides (and a mean over a power-of-two number of workers), so the library must
-    be bit-identical. A group residual ``sum_i w_i r_i / sum_i w_i`` adds its members in
-    layer order, the reference in backward order (and norms sum in other trees), so
-    entries near zero carry a few ulps of the largest terms, not of their own value.
+    be bit-identical. A group residual ``sum_i w_i r_i / sum_i w_i`` is reduced in other
+    trees than the reference's (the weighted sum and the norms), so entries near zero
+    carry a few ulps of the largest terms, not of their own value.
     """
     if exact:
         np.testing.assert_array_equal(got, expected, err_msg=what)

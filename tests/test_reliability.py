@@ -157,6 +157,7 @@ def test_fault_campaign_quick_mode_resumes_bit_identically(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the jobs set theirs
+    env["PYTHONPATH"] = root  # this checkout's train package, whatever is installed
     done = subprocess.run(
         [sys.executable, "faults.py", "--quick", f"--workdir={tmp_path}"],
         cwd=os.path.join(root, "benchmarks"),
@@ -255,3 +256,24 @@ def test_a_campaign_over_other_configs_keeps_the_default_draws_and_its_own_secti
     assert "## Fault campaign (`benchmarks/faults.py`)" in text
     assert "--configs default_hier --runs 1 --seed 0" in text
     assert "<!-- prose: campaign -->" in text and "<!-- prose: campaign-default_hier -->" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--quick", "--seed", "3"], ["--seed", "2"], ["--configs", "default_hier", "--seed", "1"]],
+)
+def test_the_printed_replay_command_draws_the_run_it_reports(argv):
+    """Each run's replay command (the report's) runs that very fault on that very job."""
+    faults = _faults_module()
+    campaign = faults.setup(faults.parse_args(argv))
+    key = faults.campaign_key(campaign.configs)
+    recorded = {"runs": campaign.runs, "seed": int(argv[-1]), "quick": "--quick" in argv}
+    recorded["configs"] = sorted(campaign.configs)
+    assert faults.setup(faults.parse_args(faults.command(key, recorded).split()[2:])) == campaign
+    for index in campaign.indices:
+        fault = campaign.fault(recorded["seed"], index)
+        replay_argv = faults.command(key, recorded, index).split()[2:]
+        replay = faults.setup(faults.parse_args(replay_argv))
+        assert replay.indices == [index]
+        assert replay.fault(recorded["seed"], index) == fault
+        assert replay.configs[fault.config] == campaign.configs[fault.config]  # same job

@@ -58,15 +58,6 @@ def _flat(tree):
 # ------------------------------------------------------------------ numpy reference
 
 
-def np_topk_sent(x: np.ndarray) -> np.ndarray:
-    flat = x.ravel()
-    k = max(1, int(np.floor(DENSITY * flat.size)))
-    keep = np.argsort(-np.abs(flat), kind="stable")[:k]
-    out = np.zeros_like(flat)
-    out[keep] = flat[keep]
-    return out.reshape(x.shape)
-
-
 def np_weight(x: np.ndarray, phi: float = 0.5) -> float:
     x = x.astype(np.float64)
     n = x.size
@@ -133,7 +124,7 @@ def np_resireduce(
                 rs, comps, weights = [], [], []
                 for p in g:
                     comp = grads[p][w] + r_old
-                    sent = np_topk_sent(comp)
+                    sent = th.np_topk_sparsify(comp, DENSITY)
                     sent_sum[p] += sent
                     rs.append(comp - sent)
                     comps.append(comp)
@@ -176,17 +167,22 @@ def grads():
     return _grads()
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant_matches_numpy_reference(grads, name):
-    opts = dict(VARIANTS[name])
-    store_dtype = ml_dtypes.bfloat16 if opts.get("residual_dtype") == "bfloat16" else np.float32
-    tx = rr.resireduce(
+def _blocks_resireduce(**options):
+    """Top-k ResiReduce with the three blocks as one reusable group and the INTRA leaves."""
+    return rr.resireduce(
         rr.compressors.topk(DENSITY),
         grouping=rr.grouping.regex({r"block_\d+/kernel": "blocks"}),
         intra_layers=INTRA,
         min_size=MIN_SIZE,
-        **opts,
+        **options,
     )
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_numpy_reference(grads, name):
+    opts = dict(VARIANTS[name])
+    store_dtype = ml_dtypes.bfloat16 if opts.get("residual_dtype") == "bfloat16" else np.float32
+    tx = _blocks_resireduce(**opts)
     outputs, state = th.run_shard_map(tx, _params(), grads)
     intra_paths = {"big/kernel", "embed/embedding"}
     opts.pop("residual_dtype", None)
@@ -247,12 +243,7 @@ def test_no_reduction_equals_error_feedback_bit_for_bit(grads, compressor):
 
 
 def test_shard_map_and_pmap_agree(grads):
-    tx = rr.resireduce(
-        rr.compressors.topk(DENSITY),
-        grouping=rr.grouping.regex({r"block_\d+/kernel": "blocks"}),
-        intra_layers=INTRA,
-        min_size=MIN_SIZE,
-    )
+    tx = _blocks_resireduce()
     out_sm, state_sm = th.run_shard_map(tx, _params(), grads)
     out_pm, state_pm = th.run_pmap(tx, _params(), grads)
     chex.assert_trees_all_equal(out_sm, out_pm)

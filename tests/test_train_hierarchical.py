@@ -201,8 +201,9 @@ def test_checkpoints_keep_the_shards_and_a_new_layout_follows_the_policy(tmp_pat
 def test_two_processes_of_one_node_each_match_one_process_with_both_nodes(tmp_path):
     """2 processes x 4 devices (one process per node) vs 1 process x 8 devices, L = 4.
 
-    Close, not bit-identical, for the reason tests/test_multiprocess.py gives (XLA:CPU
-    rounds local gradients differently with another number of devices per process).
+    Close, not bit-identical: an all-reduce across processes (gloo's ring) adds in another
+    order than one inside a process (docs/design.md, "Process layouts and bitwise
+    results").
     """
     job = {
         "num_workers": 8,

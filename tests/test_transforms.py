@@ -24,16 +24,6 @@ def _params():
     return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 
 
-def np_topk_sparsify(x: np.ndarray, density: float) -> np.ndarray:
-    """Independent numpy Top-k: keep the k = max(1, floor(density n)) largest |x|."""
-    flat = x.ravel()
-    k = max(1, int(np.floor(density * flat.size)))
-    keep = np.argsort(-np.abs(flat), kind="stable")[:k]
-    out = np.zeros_like(flat)
-    out[keep] = flat[keep]
-    return out.reshape(x.shape)
-
-
 def np_error_feedback(grads_per_step, density):
     """Numpy EF (paper §2.2): per worker G~ = G + R; send topk(G~); R = G~ - sent."""
     residual = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
@@ -45,7 +35,7 @@ def np_error_feedback(grads_per_step, density):
                 out[name] = g.astype(np.float64).mean(0)
                 continue
             comp = g + residual[name]  # float32, like the transform
-            sent = np.stack([np_topk_sparsify(comp[w], density) for w in range(W)])
+            sent = np.stack([th.np_topk_sparsify(comp[w], density) for w in range(W)])
             residual[name] = comp - sent
             out[name] = sent.astype(np.float64).mean(0)
         outputs.append(out)
@@ -121,7 +111,7 @@ def test_compressed_mean_is_mean_of_sparsified_raw_gradients(grads):
     outputs, state = th.run_shard_map(tx, _params(), grads[:2])
     for out, g in zip(outputs, grads[:2], strict=True):
         for name in COMPRESSED:  # no memory: every step sparsifies the raw gradient
-            ref = np.stack([np_topk_sparsify(g[name][w], density) for w in range(W)]).mean(0)
+            ref = np.stack([th.np_topk_sparsify(g[name][w], density) for w in range(W)]).mean(0)
             np.testing.assert_allclose(out[name][0], ref, rtol=1e-6, atol=1e-7)
     assert state.residuals == {}
 

@@ -118,3 +118,13 @@ def random_grads(
         {k: rng.standard_t(3, size=(workers, *s)).astype(dtype) for k, s in shapes.items()}
         for _ in range(steps)
     ]
+
+
+def np_topk_sparsify(x: np.ndarray, density: float) -> np.ndarray:
+    """Independent numpy Top-k: keep the k = max(1, floor(density n)) largest |x|."""
+    flat = x.ravel()
+    k = max(1, int(np.floor(density * flat.size)))
+    keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+    out = np.zeros_like(flat)
+    out[keep] = flat[keep]
+    return out.reshape(x.shape)

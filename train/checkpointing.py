@@ -48,6 +48,7 @@ __all__ = [
     "COMMIT_MARKER",
     "Checkpointer",
     "WorkerCountMismatch",
+    "committed_steps",
     "is_committed",
     "latest_complete_step",
     "mean_per_worker",
@@ -138,6 +139,17 @@ def _check_shapes(host: PyTree, like: PyTree, specs: PyTree, old: str, new: str)
 def is_committed(step_dir: str) -> bool:
     """Whether orbax finished writing ``step_dir`` (it holds the commit marker)."""
     return os.path.isfile(os.path.join(step_dir, COMMIT_MARKER))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """The steps in ``directory`` whose checkpoint orbax finished writing, ascending."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(
+        int(name)
+        for name in os.listdir(directory)
+        if name.isdigit() and is_committed(os.path.join(directory, name))
+    )
 
 
 def latest_complete_step(directory: str, steps) -> int | None:

@@ -205,6 +205,11 @@ def _load_config():
 
 
 def _check_workdir(workdir: str | None) -> str:
+    """Checks that ``workdir`` is, or can be created as, a writable directory.
+
+    It is not created here: the run creates it once the whole config has been checked
+    (:func:`train.train.check_config`), so a mistake leaves nothing behind.
+    """
     if not workdir:
         raise ConfigError("--workdir is required: pass --workdir=DIR for checkpoints and metrics.")
     if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -212,14 +217,18 @@ def _check_workdir(workdir: str | None) -> str:
             f"--workdir={workdir!r} is a file, not a directory; pass a directory (it is "
             "created if missing)."
         )
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(
-            f"--workdir={workdir!r} cannot be created ({error.strerror}); pass a directory "
-            "you can write to."
-        ) from None
-    return workdir
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        reason = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable"
+    else:
+        return workdir
+    raise ConfigError(
+        f"--workdir={workdir!r} cannot be created ({reason}); pass a directory you can write to."
+    )
 
 
 # ------------------------------------------------------------------ the program
@@ -233,6 +242,10 @@ def run(argv) -> None:
     with _user_errors():
         config = _load_config()
         config_schema.validate(config)  # names and ranges; model and dataset names later
+        if FLAGS.plan_only and config.memory.budget is None:
+            raise ConfigError(
+                "--plan_only needs a budget: pass --config.memory.budget=SIZE (e.g. 12GiB)."
+            )
         workdir = _check_workdir(FLAGS.workdir)
         setup = distributed.resolve(
             FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
@@ -254,6 +267,9 @@ def run(argv) -> None:
 
     runtime.configure_cpu(
         num_devices=config.num_workers // setup.num_processes,
+        # As one process driving every worker would: the same local rounding in every
+        # process layout (docs/design.md, "Process layouts and bitwise results").
+        intra_op_threads=runtime.default_intra_op_threads(config.num_workers),
         collective_timeout_s=FLAGS.collective_timeout_s,
     )
     # Our own messages are printed; keep library chatter (orbax logs every write,
@@ -272,7 +288,8 @@ def run(argv) -> None:
     if FLAGS.plan_only:
         from train import memory_plan
 
-        with _user_errors():  # no budget, or none fits: one line
+        with _user_errors():  # a config mistake, or no budget fits: one line
+            train.check_config(config)
             memory_plan.plan_only(config, workdir)
         sys.exit(0)
     if supervisor.in_child():

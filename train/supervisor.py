@@ -290,11 +290,8 @@ class _ProgressReader(threading.Thread):
 def _last_complete_checkpoint(workdir: str) -> int | None:
     from train import checkpointing  # JAX is imported only now, to report a failure
 
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
-    return checkpointing.latest_complete_step(directory, steps)
+    steps = checkpointing.committed_steps(os.path.join(workdir, "checkpoints"))
+    return steps[-1] if steps else None
 
 
 def _signal_name(code: int) -> str:

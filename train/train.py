@@ -52,15 +52,19 @@ from train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Preempted", "RunSummary", "build_run", "train_and_evaluate", "worker_axes"]
+__all__ = [
+    "Preempted",
+    "RunSummary",
+    "build_run",
+    "check_config",
+    "train_and_evaluate",
+    "worker_axes",
+]
 
 AXIS = "data"
-# XLA:CPU aborts when too many steps with collectives are queued (docs/design.md,
-# "CPU collectives and queued steps").
-MAX_QUEUED_STEPS = 8
-# Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather, at
-# steps where the loop blocks anyway), so that all processes stop at the same step.
-STOP_SYNC_EVERY = MAX_QUEUED_STEPS
+# Multi-process runs agree on SIGTERM every this many steps (one tiny host all-gather), so
+# that all processes stop at the same step.
+STOP_SYNC_EVERY = 8
 # Called with the number of every finished step (train/main.py reports it to the
 # supervising parent process, which names the step if a peer is lost).
 STEP_CALLBACKS: list[Callable[[int], None]] = []
@@ -115,6 +119,22 @@ class Run:
 def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:
     """``"data"``, or ``("data", "local")`` for a hierarchical run (``local_devices``)."""
     return compiled_step.worker_axes(config)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises for any mistake in ``config`` that shows without data or compilation.
+
+    Names and ranges (:func:`train.config_schema.validate`, with the known models and
+    datasets), then the optax chain is built (no arrays): the compressor, the optimizer
+    and their arguments. :func:`train_and_evaluate` calls it before it creates the workdir.
+
+    Raises:
+      ConfigError, ValueError: naming the key, the bad value and the valid choices.
+    """
+    config_schema.validate(
+        config, known_models=models.MODELS, known_datasets=input_pipeline.DATASETS
+    )
+    factory.build_tx(config, steps_per_epoch=1.0, total_steps=1)
 
 
 def build_run(
@@ -436,6 +456,7 @@ def train_and_evaluate(
       A :class:`RunSummary` with the final step, last eval and train metrics, the number
       of skipped (non-finite) steps, whether SIGTERM stopped the run, and the memory report.
     """
+    check_config(config)  # before anything is written to the workdir
     remat = None
     if config.memory.budget is not None:  # the fastest configuration that fits, first
         config, remat = memory_plan.plan_for_training(config, workdir)
@@ -539,8 +560,6 @@ def train_and_evaluate(
                 skipped_seen = skipped
                 writer.write(step, "train", {**last_train, "skipped_steps": skipped})
                 progress.update(step, loss=f"{last_train['loss']:.4f}")
-            elif step % MAX_QUEUED_STEPS == 0:
-                jax.block_until_ready(step_metrics)
             if analysis.due(step, run.total_steps):
                 analysis.record(step, opt_state, exchange_plan(run, state.abstract_params))
             if step % config.eval_every == 0 or step == run.total_steps:

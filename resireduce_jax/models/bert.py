@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention, scan
-from resireduce_jax.models.config import ModelConfig, check_batch_size
+from resireduce_jax.models.config import ModelConfig, check_batch_size, dense, layer_norm
 
 __all__ = [
     "Attention",
@@ -144,22 +144,7 @@ class BertConfig(ModelConfig):
 
 
 def _dense(config: BertConfig, features: int, name: str) -> nn.Dense:
-    return nn.Dense(
-        features,
-        kernel_init=nn.initializers.truncated_normal(config.initializer_range),
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name=name,
-    )
-
-
-def _layer_norm(config: BertConfig) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_epsilon,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name="LayerNorm",
-    )
+    return dense(config, features, name, nn.initializers.truncated_normal(config.initializer_range))
 
 
 class Embeddings(nn.Module):
@@ -189,7 +174,7 @@ class Embeddings(nn.Module):
             + table(c.max_len, "position_embeddings")(positions)
             + table(c.type_vocab_size, "token_type_embeddings")(token_type_ids)
         )
-        x = _layer_norm(c)(x)
+        x = layer_norm(c, "LayerNorm")(x)
         return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
 
 
@@ -222,7 +207,7 @@ class ResidualOutput(nn.Module):
     def __call__(self, x: jax.Array, residual: jax.Array, *, train: bool = False) -> jax.Array:
         c = self.config
         x = nn.Dropout(c.dropout_rate)(_dense(c, c.width, "dense")(x), deterministic=not train)
-        return _layer_norm(c)(residual + x)
+        return layer_norm(c, "LayerNorm")(residual + x)
 
 
 class Attention(nn.Module):

@@ -24,7 +24,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ChainStage", "ModelConfig", "as_dtype", "check_batch_size", "image_batch"]
+__all__ = [
+    "ChainStage",
+    "ModelConfig",
+    "as_dtype",
+    "batch_norm",
+    "check_batch_size",
+    "dense",
+    "image_batch",
+    "layer_norm",
+]
 
 
 def as_dtype(value: Any, field: str) -> jnp.dtype:
@@ -216,3 +225,42 @@ def image_batch(
 def check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+
+
+# Layers in a configuration's dtypes. ``config`` is a model configuration, or a module
+# with the same fields (``dtype``, ``param_dtype``, and the fields each layer names).
+
+
+def dense(config: Any, features: int, name: str, kernel_init: Any) -> nn.Dense:
+    """A dense layer computing in ``config.dtype`` with ``config.param_dtype`` parameters."""
+    return nn.Dense(
+        features,
+        kernel_init=kernel_init,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
+def layer_norm(config: Any, name: str) -> nn.LayerNorm:
+    """LayerNorm with ``config.layer_norm_epsilon``, in the config's dtypes."""
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_epsilon,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
+def batch_norm(config: Any, train: bool, name: str) -> nn.BatchNorm:
+    """BatchNorm with ``config.bn_momentum``, ``bn_epsilon`` and ``bn_axis_name``, in the
+    config's dtypes: batch statistics when ``train``, the running averages otherwise."""
+    return nn.BatchNorm(
+        use_running_average=not train,
+        momentum=config.bn_momentum,
+        epsilon=config.bn_epsilon,
+        axis_name=config.bn_axis_name,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )

@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention, scan
-from resireduce_jax.models.config import ChainStage, ModelConfig, check_batch_size
+from resireduce_jax.models.config import (
+    ChainStage,
+    ModelConfig,
+    check_batch_size,
+    dense,
+    layer_norm,
+)
 
 __all__ = ["GPT2", "MLP", "Attention", "Block", "Embedding", "GPT2Config", "Head", "chain_stages"]
 
@@ -118,22 +124,7 @@ class GPT2Config(ModelConfig):
 
 
 def _dense(config: GPT2Config, features: int, name: str, std: float) -> nn.Dense:
-    return nn.Dense(
-        features,
-        kernel_init=nn.initializers.normal(std),
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name=name,
-    )
-
-
-def _layer_norm(config: GPT2Config, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_epsilon,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name=name,
-    )
+    return dense(config, features, name, nn.initializers.normal(std))
 
 
 def _residual_std(config: GPT2Config) -> float:
@@ -185,22 +176,24 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        x = x + Attention(self.config, name="attn")(
-            _layer_norm(self.config, "ln_1")(x), train=train
-        )
-        return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x), train=train)
+        x = x + Attention(self.config, name="attn")(layer_norm(self.config, "ln_1")(x), train=train)
+        return x + MLP(self.config, name="mlp")(layer_norm(self.config, "ln_2")(x), train=train)
 
 
-def _token_embedding(c: GPT2Config) -> nn.Embed:
-    """``wte``: the token embedding, also the (tied) output projection."""
+def _embedding(c: GPT2Config, rows: int, name: str) -> nn.Embed:
     return nn.Embed(
-        c.vocab_size,
+        rows,
         c.width,
         embedding_init=nn.initializers.normal(c.initializer_range),
         dtype=c.dtype,
         param_dtype=c.param_dtype,
-        name="wte",
+        name=name,
     )
+
+
+def _token_embedding(c: GPT2Config) -> nn.Embed:
+    """``wte``: the token embedding, also the (tied) output projection."""
+    return _embedding(c, c.vocab_size, "wte")
 
 
 def _embed(c: GPT2Config, wte: nn.Embed, tokens: jax.Array, train: bool) -> jax.Array:
@@ -216,21 +209,14 @@ def _embed(c: GPT2Config, wte: nn.Embed, tokens: jax.Array, train: bool) -> jax.
             f"sequence length {length} exceeds the {c.max_len} learned positions; "
             "pass shorter sequences or build the model with a larger max_len."
         )
-    wpe = nn.Embed(
-        c.max_len,
-        c.width,
-        embedding_init=nn.initializers.normal(c.initializer_range),
-        dtype=c.dtype,
-        param_dtype=c.param_dtype,
-        name="wpe",
-    )
+    wpe = _embedding(c, c.max_len, "wpe")
     x = wte(tokens) + wpe(jnp.arange(length)[None, :])
     return nn.Dropout(c.dropout_rate)(x, deterministic=not train)
 
 
 def _head(c: GPT2Config, wte: nn.Embed, x: jax.Array) -> jax.Array:
     """``ln_f``, then the tied projection ``wte.attend``; float32 logits."""
-    return wte.attend(_layer_norm(c, "ln_f")(x)).astype(jnp.float32)
+    return wte.attend(layer_norm(c, "ln_f")(x)).astype(jnp.float32)
 
 
 class Embedding(nn.Module):

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models.config import ModelConfig, image_batch
+from resireduce_jax.models.config import ModelConfig, dense, image_batch
 
 __all__ = ["MLPClassifier", "MLPConfig"]
 
@@ -88,14 +88,5 @@ class MLPClassifier(nn.Module):
         c = self.config
         x = image.reshape(image.shape[0], -1)
         for i in range(c.num_layers):
-            x = nn.relu(self._dense(c.width, f"hidden_{i}")(x))
-        return self._dense(c.num_classes, "head")(x).astype(jnp.float32)
-
-    def _dense(self, features: int, name: str) -> nn.Dense:
-        return nn.Dense(
-            features,
-            kernel_init=_linear_init,
-            dtype=self.config.dtype,
-            param_dtype=self.config.param_dtype,
-            name=name,
-        )
+            x = nn.relu(dense(c, c.width, f"hidden_{i}", _linear_init)(x))
+        return dense(c, c.num_classes, "head", _linear_init)(x).astype(jnp.float32)

@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models.config import ChainStage, ModelConfig, image_batch
+from resireduce_jax.models.config import ChainStage, ModelConfig, batch_norm, dense, image_batch
 
 __all__ = ["EXPANSION", "Bottleneck", "Head", "ResNet", "ResNetConfig", "Stem", "chain_stages"]
 
@@ -113,6 +113,22 @@ def _same_padding(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return ((kernel // 2, kernel // 2), (kernel // 2, kernel // 2))
 
 
+def _conv(config: Any, features: int, kernel: int, strides: int, name: str) -> nn.Conv:
+    """A bias-free ``kernel x kernel`` convolution with torch's padding, in ``config``'s
+    dtypes (a :class:`ResNetConfig` or a :class:`Bottleneck`)."""
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=(strides, strides),
+        padding=_same_padding(kernel),
+        use_bias=False,
+        kernel_init=_conv_init,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
 class Bottleneck(nn.Module):
     """Bottleneck block: 1x1 -> 3x3 (stride here) -> 1x1 (x4), each followed by BatchNorm.
 
@@ -137,41 +153,17 @@ class Bottleneck(nn.Module):
     bn_epsilon: float = 1e-5
     bn_axis_name: str | None = None
 
-    def _conv(self, features: int, kernel: int, strides: int, name: str) -> nn.Conv:
-        return nn.Conv(
-            features,
-            (kernel, kernel),
-            strides=(strides, strides),
-            padding=_same_padding(kernel),
-            use_bias=False,
-            kernel_init=_conv_init,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def _norm(self, train: bool, name: str) -> nn.BatchNorm:
-        return nn.BatchNorm(
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            axis_name=self.bn_axis_name,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         out_features = EXPANSION * self.features
-        y = nn.relu(self._norm(train, "bn1")(self._conv(self.features, 1, 1, "conv1")(x)))
-        y = self._conv(self.features, 3, self.strides, "conv2")(y)
-        y = nn.relu(self._norm(train, "bn2")(y))
-        y = self._norm(train, "bn3")(self._conv(out_features, 1, 1, "conv3")(y))
+        y = nn.relu(batch_norm(self, train, "bn1")(_conv(self, self.features, 1, 1, "conv1")(x)))
+        y = _conv(self, self.features, 3, self.strides, "conv2")(y)
+        y = nn.relu(batch_norm(self, train, "bn2")(y))
+        y = batch_norm(self, train, "bn3")(_conv(self, out_features, 1, 1, "conv3")(y))
         shortcut = x
         if self.strides != 1 or x.shape[-1] != out_features:
-            shortcut = self._conv(out_features, 1, self.strides, "downsample_conv")(x)
-            shortcut = self._norm(train, "downsample_bn")(shortcut)
+            shortcut = _conv(self, out_features, 1, self.strides, "downsample_conv")(x)
+            shortcut = batch_norm(self, train, "downsample_bn")(shortcut)
         return nn.relu(y + shortcut)
 
 
@@ -183,27 +175,7 @@ def _stem(c: ResNetConfig, image: jax.Array, train: bool) -> jax.Array:
             f"{list(image.shape)}."
         )
     kernel, stride = (3, 1) if c.stem == "cifar" else (7, 2)
-    x = nn.Conv(
-        c.width,
-        (kernel, kernel),
-        strides=(stride, stride),
-        padding=_same_padding(kernel),
-        use_bias=False,
-        kernel_init=_conv_init,
-        dtype=c.dtype,
-        param_dtype=c.param_dtype,
-        name="conv1",
-    )(image)
-    x = nn.BatchNorm(
-        use_running_average=not train,
-        momentum=c.bn_momentum,
-        epsilon=c.bn_epsilon,
-        axis_name=c.bn_axis_name,
-        dtype=c.dtype,
-        param_dtype=c.param_dtype,
-        name="bn1",
-    )(x)
-    x = nn.relu(x)
+    x = nn.relu(batch_norm(c, train, "bn1")(_conv(c, c.width, kernel, stride, "conv1")(image)))
     if c.stem == "imagenet":
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     return x
@@ -211,13 +183,7 @@ def _stem(c: ResNetConfig, image: jax.Array, train: bool) -> jax.Array:
 
 def _head(c: ResNetConfig, x: jax.Array) -> jax.Array:
     """Global average pooling and the ``fc`` classifier, in the caller's scope."""
-    logits = nn.Dense(
-        c.num_classes,
-        kernel_init=_linear_init,
-        dtype=c.dtype,
-        param_dtype=c.param_dtype,
-        name="fc",
-    )(jnp.mean(x, axis=(1, 2)))
+    logits = dense(c, c.num_classes, "fc", _linear_init)(jnp.mean(x, axis=(1, 2)))
     return logits.astype(jnp.float32)
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resireduce_jax.models.config import ModelConfig, image_batch
+from resireduce_jax.models.config import ModelConfig, batch_norm, dense, image_batch
 
 __all__ = ["VGG", "VGGConfig", "adaptive_avg_pool", "feature_layout"]
 
@@ -183,15 +183,7 @@ class VGG(nn.Module):
                     name=f"features_{index}",
                 )(x)
             elif kind == "bn":
-                x = nn.BatchNorm(
-                    use_running_average=not train,
-                    momentum=c.bn_momentum,
-                    epsilon=c.bn_epsilon,
-                    axis_name=c.bn_axis_name,
-                    dtype=c.dtype,
-                    param_dtype=c.param_dtype,
-                    name=f"features_{index}",
-                )(x)
+                x = batch_norm(c, train, f"features_{index}")(x)
             elif kind == "relu":
                 x = nn.relu(x)
             else:
@@ -200,15 +192,6 @@ class VGG(nn.Module):
         x = adaptive_avg_pool(x, c.pool_size)
         x = x.reshape(x.shape[0], -1)
         for index, features in ((0, c.classifier_width), (3, c.classifier_width)):
-            x = self._linear(features, f"classifier_{index}")(x)
+            x = dense(c, features, f"classifier_{index}", _linear_init)(x)
             x = nn.Dropout(c.dropout_rate)(nn.relu(x), deterministic=not train)
-        return self._linear(c.num_classes, "classifier_6")(x).astype(jnp.float32)
-
-    def _linear(self, features: int, name: str) -> nn.Dense:
-        return nn.Dense(
-            features,
-            kernel_init=_linear_init,
-            dtype=self.config.dtype,
-            param_dtype=self.config.param_dtype,
-            name=name,
-        )
+        return dense(c, c.num_classes, "classifier_6", _linear_init)(x).astype(jnp.float32)

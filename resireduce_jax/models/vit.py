@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention
-from resireduce_jax.models.config import ChainStage, ModelConfig, image_batch
+from resireduce_jax.models.config import ChainStage, ModelConfig, dense, image_batch, layer_norm
 
 __all__ = [
     "MLP",
@@ -129,22 +129,7 @@ _weight_init = nn.initializers.truncated_normal(0.02)
 
 
 def _dense(config: ViTConfig, features: int, name: str) -> nn.Dense:
-    return nn.Dense(
-        features,
-        kernel_init=_weight_init,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name=name,
-    )
-
-
-def _layer_norm(config: ViTConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_epsilon,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        name=name,
-    )
+    return dense(config, features, name, _weight_init)
 
 
 class Attention(nn.Module):
@@ -191,9 +176,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         x = x + Attention(self.config, name="attn")(
-            _layer_norm(self.config, "norm1")(x), train=train
+            layer_norm(self.config, "norm1")(x), train=train
         )
-        return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "norm2")(x), train=train)
+        return x + MLP(self.config, name="mlp")(layer_norm(self.config, "norm2")(x), train=train)
 
 
 def _embed(module: nn.Module, image: jax.Array, train: bool) -> jax.Array:
@@ -235,14 +220,8 @@ def _embed(module: nn.Module, image: jax.Array, train: bool) -> jax.Array:
 
 def _head(c: ViTConfig, x: jax.Array) -> jax.Array:
     """``norm``, then the ``head`` classifier on the class token (Eq. 4); float32 logits."""
-    x = _layer_norm(c, "norm")(x)
-    logits = nn.Dense(
-        c.num_classes,
-        kernel_init=_weight_init,
-        dtype=c.dtype,
-        param_dtype=c.param_dtype,
-        name="head",
-    )(x[:, 0])
+    x = layer_norm(c, "norm")(x)
+    logits = _dense(c, c.num_classes, "head")(x[:, 0])
     return logits.astype(jnp.float32)
 
 

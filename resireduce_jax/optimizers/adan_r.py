@@ -265,7 +265,7 @@ def adan_r(
             # everything after it, so that XLA forms it at once in the old one's buffer
             # (module docstring). On a skipped step the old one is kept and the step goes on
             # with it (its states are kept, its update is zero): selected after the update
-            # instead, for the returned state only, that select was left for the end of a
+            # instead, for the returned state only, that select is left for the end of a
             # train step, holding every exchanged gradient until then (up to +16 % of the
             # unguarded compiled peak on the conv stack and the wide MLP of
             # benchmarks/guard_cost.py).

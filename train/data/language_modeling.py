@@ -193,6 +193,29 @@ def _cached_stream(
     return cache.cached_arrays(cache.cache_root(cache_dir), name, key, build)["tokens"]
 
 
+def _cached_dataset(
+    splits: Iterable[tuple[str, dict, Iterable[Iterable[str]]]],
+    tokenizer: TextTokenizer,
+    *,
+    cache_dir: str | None,
+    context_length: int,
+    seed: int,
+) -> LanguageModelingDataset:
+    """The dataset of a train and an eval split, each ``(cache name, cache key, documents)``:
+    tokenized once and cached (:func:`_cached_stream`), in that order."""
+    train, evaluation = (
+        _cached_stream(cache_dir, name, key, documents, tokenizer)
+        for name, key, documents in splits
+    )
+    return LanguageModelingDataset(
+        train_tokens=train,
+        eval_tokens=evaluation,
+        vocab_size=tokenizer.vocab_size,
+        context_length=context_length,
+        seed=seed,
+    )
+
+
 def text_files(
     *,
     seed: int,
@@ -209,27 +232,22 @@ def text_files(
     every file's path, size and modification time, and the tokenizer file's hash.
     """
     text_tokenizer = load_text_tokenizer(tokenizer)
-    streams = []
-    for split, field, patterns in (
-        ("train", "train_files", train_files),
-        ("eval", "eval_files", eval_files),
-    ):
-        files = _expand_files(patterns, field)
-        key = {
-            "kind": "text_files",
-            "tokenizer": text_tokenizer.fingerprint,
-            "files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files],
-        }
-        documents = (iter_file_text(f) for f in files)
-        streams.append(
-            _cached_stream(cache_dir, f"lm-files-{split}", key, documents, text_tokenizer)
-        )
-    return LanguageModelingDataset(
-        train_tokens=streams[0],
-        eval_tokens=streams[1],
-        vocab_size=text_tokenizer.vocab_size,
-        context_length=context_length,
-        seed=seed,
+
+    def splits():
+        for split, field, patterns in (
+            ("train", "train_files", train_files),
+            ("eval", "eval_files", eval_files),
+        ):
+            files = _expand_files(patterns, field)
+            key = {
+                "kind": "text_files",
+                "tokenizer": text_tokenizer.fingerprint,
+                "files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files],
+            }
+            yield f"lm-files-{split}", key, (iter_file_text(f) for f in files)
+
+    return _cached_dataset(
+        splits(), text_tokenizer, cache_dir=cache_dir, context_length=context_length, seed=seed
     )
 
 
@@ -255,34 +273,30 @@ def tfds_text(
             f"dataset.tfds_name must name a tfds text dataset (e.g. 'lm1b'), got {tfds_name!r}."
         )
     text_tokenizer = load_text_tokenizer(tokenizer)
-    streams = []
-    for split in (train_split, eval_split):
-        source = tfds_sources.open_split(tfds_name, split, data_dir)
-        if len(source) == 0:
-            raise ValueError(f"split {split!r} of tfds dataset {tfds_name!r} is empty.")
-        first = source[0]
-        if text_key not in first:
-            raise ValueError(
-                f"records of tfds dataset {tfds_name!r} have no field {text_key!r}; set "
-                f"dataset.text_key to one of {sorted(first)}."
-            )
-        key = {
-            "kind": "tfds_text",
-            "tokenizer": text_tokenizer.fingerprint,
-            "name": tfds_name,
-            "split": split,
-            "text_key": text_key,
-            "data_dir": tfds_sources.resolved_data_dir(data_dir),
-            "num_records": len(source),
-        }
-        documents = ([tfds_sources.text_of(source[i][text_key])] for i in range(len(source)))
-        streams.append(
-            _cached_stream(cache_dir, f"lm-tfds-{split}", key, documents, text_tokenizer)
-        )
-    return LanguageModelingDataset(
-        train_tokens=streams[0],
-        eval_tokens=streams[1],
-        vocab_size=text_tokenizer.vocab_size,
-        context_length=context_length,
-        seed=seed,
+
+    def splits():
+        for split in (train_split, eval_split):
+            source = tfds_sources.open_split(tfds_name, split, data_dir)
+            if len(source) == 0:
+                raise ValueError(f"split {split!r} of tfds dataset {tfds_name!r} is empty.")
+            first = source[0]
+            if text_key not in first:
+                raise ValueError(
+                    f"records of tfds dataset {tfds_name!r} have no field {text_key!r}; set "
+                    f"dataset.text_key to one of {sorted(first)}."
+                )
+            key = {
+                "kind": "tfds_text",
+                "tokenizer": text_tokenizer.fingerprint,
+                "name": tfds_name,
+                "split": split,
+                "text_key": text_key,
+                "data_dir": tfds_sources.resolved_data_dir(data_dir),
+                "num_records": len(source),
+            }
+            documents = ([tfds_sources.text_of(source[i][text_key])] for i in range(len(source)))
+            yield f"lm-tfds-{split}", key, documents
+
+    return _cached_dataset(
+        splits(), text_tokenizer, cache_dir=cache_dir, context_length=context_length, seed=seed
     )
