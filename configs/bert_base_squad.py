@@ -30,7 +30,7 @@ NUM_LAYERS = 12
 
 def group_rules(num_layers: int) -> tuple:
     """One rule per run of three consecutive encoder layers, labelled by the run."""
-    return consecutive_layer_rules(num_layers, prefix="encoder/layer_", label="encoder/layers_")
+    return consecutive_layer_rules(num_layers, scope="encoder/layer", label="encoder/layers_")
 
 
 def get_config():

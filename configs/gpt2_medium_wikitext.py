@@ -30,8 +30,9 @@ NUM_LAYERS = 24
 
 
 def group_rules(num_layers: int) -> tuple:
-    """One rule per run of three consecutive blocks: ``h_{i}/x`` -> ``h{a}-{b}/x``."""
-    return consecutive_layer_rules(num_layers, prefix="h_", label="h")
+    """One rule per run of three consecutive blocks: ``h_{i}/x`` (scanned: the slice
+    ``h/{i}/x``) -> ``h{a}-{b}/x``."""
+    return consecutive_layer_rules(num_layers, scope="h", label="h")
 
 
 def get_config():

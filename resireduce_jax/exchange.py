@@ -31,6 +31,11 @@ over ``local``. Stores hold one shard per device, so residual memory per device 
 transform's divided by ``L``; error feedback acts on node means. With a local axis of size
 1 the transform is the flat one over both axes, bit for bit.
 
+**Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
+weight of every layer (a scanned model) is one unit per slice: plans are made on the
+unstacked pytree, the stores of runs of slices are kept as slice ranges of the stack, and
+each stack is exchanged in one vectorised pass (:meth:`Compressor.reduce_slices`).
+
 This module owns the state (:class:`ExchangeState`, one type for all modes), the plan
 (``tx.plan(params)``), the update loop, the handling of a skipped step (the ``skip``
 extra argument that :func:`~resireduce_jax.skip_nonfinite` passes), and every operation
@@ -63,16 +68,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from resireduce_jax import grouping as grouping_lib
+from resireduce_jax import in_place
+from resireduce_jax import layer_stacks as layer_stacks_lib
 from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import (
     Compressor,
+    Reduced,
     axis_size,
     check_axis_bound,
     dense_mean,
     ordered,
 )
-from resireduce_jax.tree_paths import leaf_paths, validate_float_leaves
+from resireduce_jax.tree_paths import validate_float_leaves
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -83,12 +91,14 @@ __all__ = [
     "ExchangePlan",
     "ExchangeState",
     "ExchangeTransformation",
+    "StackPlan",
     "dense_bytes",
     "exchange",
     "exchange_states",
     "leaf_key",
     "leaf_residuals",
     "resize_workers",
+    "store_residuals",
 ]
 
 DEFAULT_MIN_SIZE = 10_000
@@ -108,7 +118,9 @@ class ExchangeState(NamedTuple):
         array (``"leaf"``, ``"average"``, ``"weighted"``), a
         :class:`~resireduce_jax.residual_stores.RowsResidual` or a
         :class:`~resireduce_jax.residual_stores.BlockResidual`. A ``"leaf"`` store's label
-        is the leaf's path (``"dense_1/kernel"``). Per worker: under ``shard_map`` these
+        is the leaf's path (``"dense_1/kernel"``). The stores of a run of slices of a layer
+        stack are one entry, ``"{stack path}[{start}:{stop}]"``, with a leading store axis
+        (:class:`~resireduce_jax.residual_stores.StoreBatch`). Per worker: under ``shard_map`` these
         carry a leading worker axis sharded on the data axis. Empty for
         ``compressed_mean``.
       compressor_state: per-leaf compressor state with the params' structure;
@@ -121,22 +133,54 @@ class ExchangeState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class StackPlan:
+    """How the exchange treats one layer stack (:mod:`resireduce_jax.layer_stacks`).
+
+    Attributes:
+      stack: the stacked leaf, its layer axis and the unit index of every slice.
+      batches: the stores of runs of consecutive slices, kept as one array each
+        (:class:`~resireduce_jax.residual_stores.StoreBatch`), in slice order.
+      pieces: ``(store, start, stop)``: slices ``start ... stop - 1`` are members of a
+        shared group that also has members elsewhere (another stack, a whole leaf, or
+        slices that are not adjacent); its residual is the group's own.
+      dense: every slice travels dense (too small to compress).
+      shard: how every slice is sharded over the local axis (hierarchical), or ``None``.
+    """
+
+    stack: layer_stacks_lib.Stack
+    batches: tuple[stores.StoreBatch, ...]
+    pieces: tuple[tuple[stores.StorePlan, int, int], ...]
+    dense: bool
+    shard: stores.Shard | None
+
+
+@dataclasses.dataclass(frozen=True)
 class ExchangePlan:
     """Where every leaf's residual lives: decided from shapes, before any data is seen.
 
+    With ``layer_stacks`` a stacked leaf is one *unit* per slice (a layer, named by its
+    slice path, :mod:`resireduce_jax.layer_stacks`); otherwise every unit is a leaf, in
+    ``jax.tree.leaves`` order.
+
     Attributes:
-      paths: every leaf's path, in ``jax.tree.leaves`` order.
+      paths: every unit's path, in the unstacked pytree's order.
       stores: one :class:`~resireduce_jax.residual_stores.StorePlan` per store, in order of
-        their first member; every compressed leaf is a member of exactly one.
-      dense: indices of the leaves that travel dense, with no residual.
+        their first member; every compressed unit is a member of exactly one.
+      dense: indices of the units that travel dense, with no residual.
+      layout: the units and the layer stacks.
+      batches: the stores kept together as slice ranges of a stack; their values are
+        ``ExchangeState.residuals[batch.label]``, every other kept store's is
+        ``residuals[store.group.label]``.
     """
 
     paths: tuple[str, ...]
     stores: tuple[stores.StorePlan, ...]
     dense: tuple[int, ...]
+    layout: layer_stacks_lib.Layout
+    batches: tuple[stores.StoreBatch, ...] = ()
 
     def store_of(self, path: str) -> stores.StorePlan | None:
-        """The store holding the residual of the leaf at ``path`` (``None``: dense leaf)."""
+        """The store holding the residual of the unit at ``path`` (``None``: dense)."""
         for plan in self.stores:
             if path in plan.group.paths:
                 return plan
@@ -150,6 +194,52 @@ class ExchangePlan:
     def residual_bytes(self) -> int:
         """Bytes of one worker's stored residuals (indices of intra-layer stores included)."""
         return sum(stores.stored_bytes(p) for p in self.kept)
+
+    @functools.cached_property
+    def loose(self) -> tuple[stores.StorePlan, ...]:
+        """The kept stores in no batch: each is ``residuals[store.group.label]``."""
+        batched = {p.group.label for b in self.batches for p in b.stores}
+        return tuple(p for p in self.kept if p.group.label not in batched)
+
+    @functools.cached_property
+    def stack_plans(self) -> tuple[StackPlan, ...]:
+        """One :class:`StackPlan` per layer stack, in leaf order."""
+        batched = {p.group.label for b in self.batches for p in b.stores}
+        dense = set(self.dense)
+        out = []
+        for stack in self.layout.stacks:
+            position = {u: s for s, u in enumerate(stack.units)}
+            pieces = []
+            shard = None
+            for store in self.stores:
+                slices = [position[m] for m in store.group.members if m in position]
+                if slices:
+                    shard = store.shard
+                if not slices or store.group.label in batched:
+                    continue
+                for run in _runs(sorted(slices)):
+                    pieces.append((store, run[0], run[-1] + 1))
+            out.append(
+                StackPlan(
+                    stack=stack,
+                    batches=tuple(b for b in self.batches if b.leaf == stack.leaf),
+                    pieces=tuple(pieces),
+                    dense=stack.units[0] in dense,
+                    shard=shard,
+                )
+            )
+        return tuple(out)
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Sorted ``indices`` cut into runs of consecutive integers."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 class ExchangeTransformation(optax.GradientTransformationExtraArgs):
@@ -254,6 +344,7 @@ class _Exchange:
     seed: int
     name: str
     local_axis: str | None = None
+    layer_stacks: tuple[tuple[str, int], ...] | None = None
 
     @functools.cached_property
     def phases(self) -> tuple[schedule.Phase, ...]:
@@ -294,27 +385,32 @@ class _Exchange:
     @functools.lru_cache(maxsize=8)  # noqa: B019 - keyed by (treedef, shapes, L): hashable, tiny
     def _plan_for(self, treedef, shapes, local_size: int) -> ExchangePlan:
         like = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in shapes])
-        paths = tuple(leaf_paths(like))
-        store_plans = tuple(self.planner(like))
+        layout = layer_stacks_lib.layout(like, self.layer_stacks)
+        store_plans = tuple(self.planner(like if layout.trivial else layout.view()))
         if local_size > 1:
             store_plans = tuple(
                 stores.shard_store(p, self.local_axis, local_size) for p in store_plans
             )
         members = {i for p in store_plans for i in p.group.members}
-        dense = tuple(i for i in range(len(paths)) if i not in members)
-        return ExchangePlan(paths=paths, stores=store_plans, dense=dense)
+        dense = tuple(i for i in range(len(layout.units)) if i not in members)
+        slice_of = {k: (u.leaf, u.index) for k, u in enumerate(layout.units) if u.index is not None}
+        batches = stores.batch_stores(
+            store_plans, slice_of, {stack.leaf: stack.path for stack in layout.stacks}
+        )
+        return ExchangePlan(layout.paths, store_plans, dense, layout, batches)
 
     def bytes_sent(self, params: PyTree, steps: int, *, local_size: int | None = None) -> int:
         plan = self.plan(params, local_size=local_size)
-        leaves = jax.tree.leaves(params)
+        units = plan.layout.units
         total = 0
         for store in plan.stores:
             for i in store.group.members:
                 total += schedule.bytes_sent(
-                    self.compressor, store.group.shape, leaves[i].dtype, steps
+                    self.compressor, store.group.shape, units[i].dtype, steps
                 )
         for i in plan.dense:
-            total += steps * dense_bytes(leaves[i])
+            like = jax.ShapeDtypeStruct(units[i].shape, units[i].dtype)
+            total += steps * dense_bytes(like)
         return int(total)
 
     # ------------------------------------------------------------------------ init
@@ -323,16 +419,26 @@ class _Exchange:
         validate_float_leaves(params, self.name)
         plan = self.plan(params)
         leaves, treedef = jax.tree.flatten(params)
+        units = plan.layout.units
         cstates: list[Any] = [optax.MaskedNode()] * len(leaves)
         for store in plan.stores:
             for i in store.group.members:
-                like = jax.ShapeDtypeStruct(store.group.shape, leaves[i].dtype)  # a shard's
-                for phase in self.phases:
+                like = jax.ShapeDtypeStruct(store.group.shape, leaves[units[i].leaf].dtype)
+                for phase in self.phases:  # a shard's, a slice's
                     phase.compressor.validate(plan.paths[i], like)
-                cstates[i] = self._init_compressor_state(plan.paths[i], like)
+                cstates[units[i].leaf] = self._init_compressor_state(plan.paths[i], like)
+        for stack_plan in plan.stack_plans:  # one state per slice, on a leading slice axis
+            j, size = stack_plan.stack.leaf, stack_plan.stack.size
+            cstates[j] = jax.tree.map(
+                lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)), cstates[j]
+            )
+        residuals = {p.group.label: stores.init_store(p) for p in plan.loose}
+        for batch in plan.batches:
+            if batch.plan.kind != "none":
+                residuals[batch.label] = stores.init_batch(batch)
         return ExchangeState(
             count=jnp.zeros([], jnp.int32),
-            residuals={p.group.label: stores.init_store(p) for p in plan.kept},
+            residuals=residuals,
             compressor_state=treedef.unflatten(cstates),
         )
 
@@ -380,6 +486,7 @@ class _Exchange:
         check_axis_bound(self.worker_axes)
         local_size = self._local_size()
         plan = self.plan(updates, local_size=local_size)
+        units = plan.layout.units
         leaves, treedef = jax.tree.flatten(updates)
         cstates = treedef.flatten_up_to(state.compressor_state)
         out: list[Any] = [None] * len(leaves)
@@ -388,16 +495,19 @@ class _Exchange:
         # Payloads cross the data axis only when leaves are sharded over a local axis;
         # otherwise (no local axis, or one of size 1) they cross every worker axis.
         payload_axes = self.axis_name if local_size > 1 else self.worker_axes
+        # Units that are whole leaves; the slices of layer stacks are exchanged together.
+        arrays = {i: leaves[u.leaf] for i, u in enumerate(units) if u.index is None}
         shards = {i: p.shard for p in plan.stores for i in p.group.members if p.shard}
-        for i, shard in shards.items():
-            leaves[i] = _node_mean_shard(shard, leaves[i])
+        for i in arrays:
+            if i in shards:
+                arrays[i] = _node_mean_shard(shards[i], arrays[i])
 
         static = schedule.static_phase(self.phases, density_phase)
         phase = schedule.phase_index([p.start for p in self.phases], state.count)
 
         def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
-            """Exchanges leaf ``i``'s compensated ``x``; returns this worker's residual."""
-            shard = shards.get(i)
+            """Exchanges unit ``i``'s compensated ``x``; returns this worker's residual."""
+            j, shard = units[i].leaf, shards.get(i)
 
             def reduce_with(compressor: Compressor, x, cstate) -> tuple[Any, Any, Any]:
                 key = leaf_key(
@@ -407,32 +517,55 @@ class _Exchange:
                 return reduced.mean, reduced.residual, reduced.state
 
             if static is not None:
-                mean, residual, cstate = reduce_with(static, x, cstates[i])
+                mean, residual, cstate = reduce_with(static, x, cstates[j])
             else:  # one static-size branch per phase of the density schedule
                 branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
-                mean, residual, cstate = lax.switch(phase, branches, x, cstates[i])
+                mean, residual, cstate = lax.switch(phase, branches, x, cstates[j])
             mean = mean if shard is None else _gather_shards(shard, mean)
-            out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
-            new_cstates[i] = _where_skip(skip, cstates[i], cstate)
+            out[j] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
+            new_cstates[j] = _where_skip(skip, cstates[j], cstate)
             return residual
 
+        # Layer stacks: every slice of a stack at once (the slices of loose shared groups
+        # leave partial sums for their groups).
+        partial_sums: dict[str, list[stores.WeightedSum]] = {}
+        for stack_plan in plan.stack_plans:
+            j = stack_plan.stack.leaf
+            out[j], new_cstates[j] = self._update_stack(
+                stack_plan,
+                leaves[j],
+                cstates[j],
+                state,
+                skip,
+                payload_axes,
+                new_residuals,
+                partial_sums,
+                static,
+                phase,
+            )
+
+        batched = {p.group.label for b in plan.batches for p in b.stores}
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
         for store in plan.stores:
             label = store.group.label
+            if label in batched:
+                continue
             stored = state.residuals.get(label)
             if store.kind == "none":
                 (i,) = store.group.members
-                send(i, leaves[i], None)
+                send(i, arrays[i], None)
             elif store.kind == "leaf":
                 # The skip hook gives back G~ itself on a skipped step, in the same pass.
                 (i,) = store.group.members
-                r = send(i, stores.compensate(store, stored, leaves[i]), skip)
+                r = send(i, stores.compensate(store, stored, arrays[i]), skip)
                 new_residuals[label] = r.astype(store.dtype)
             elif store.shared:
-                shared_residuals[label] = self._update_shared(store, stored, leaves, send)
+                shared_residuals[label] = self._update_shared(
+                    store, stored, arrays, send, partial_sums.get(label, ())
+                )
             else:  # "rows" / "2d"
                 (i,) = store.group.members
-                compensated = stores.compensate(store, stored, leaves[i])
+                compensated = stores.compensate(store, stored, arrays[i])
                 norms = None
                 if store.norm_source == "compensated":  # the reference code's rows/columns
                     # Two vectors of G~, taken before G~ is consumed, with |G~| in its buffer.
@@ -445,8 +578,9 @@ class _Exchange:
         for label, residual in shared_residuals.items():
             new_residuals[label] = _where_skip(skip, state.residuals[label], residual)
         for i in plan.dense:  # small leaves: plain all-reduce, no residual
-            mean = dense_mean(leaves[i], self.worker_axes)
-            out[i] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
+            if units[i].index is None:
+                mean = dense_mean(arrays[i], self.worker_axes)
+                out[units[i].leaf] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
         count = optax.safe_int32_increment(state.count)
         new_state = ExchangeState(
             count=_where_skip(skip, state.count, count),
@@ -456,7 +590,7 @@ class _Exchange:
         return treedef.unflatten(out), new_state
 
     @staticmethod
-    def _update_shared(store, stored, leaves, send):
+    def _update_shared(store, stored, arrays, send, partial_sums=()):
         """One step of a shared group (§4.2): members one by one, running weighted sum.
 
         Each member starts after the previous one was added to the sum, so one running
@@ -465,11 +599,16 @@ class _Exchange:
         gradients: in layer order, the chain would hold the later layers' gradients until
         the group's first layer had its own (measured at the compiled peak of ResNet-50
         width 32, w against EF: drop/saving -0.27 in layer order). Groups are not ordered
-        among themselves, for the same reason.
+        among themselves, for the same reason. Members that are slices of layer stacks
+        were exchanged with their stacks and come in as ``partial_sums``.
         """
         acc = None
+        for part in partial_sums:
+            acc = part if acc is None else acc.merge(part)
         for i in reversed(store.group.members):
-            g = leaves[i]
+            if i not in arrays:  # a slice: in partial_sums
+                continue
+            g = arrays[i]
             if acc is not None:
                 g, acc = ordered(g, acc)
             compensated = stores.compensate(store, stored, g)
@@ -484,6 +623,193 @@ class _Exchange:
             acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
         return acc.finish(store)
 
+    def _update_stack(
+        self,
+        stack_plan: StackPlan,
+        g: jax.Array,
+        cstate: PyTree,
+        state: ExchangeState,
+        skip: jax.Array | None,
+        payload_axes: AxisName,
+        new_residuals: dict[str, Any],
+        partial_sums: dict[str, list[stores.WeightedSum]],
+        static: Compressor | None = None,
+        phase: jax.Array | None = None,
+    ) -> tuple[jax.Array, PyTree]:
+        """One step of a layer stack: every slice a layer, all slices at once.
+
+        The stack is seen slice-major (``[layers, *slice]``); each slice is compensated
+        with its store's residual (a batch's slice range, read in place), the compressor
+        runs over the slices vectorised (``jax.vmap``: a batched Top-k, one exchange), and
+        every batch's residuals are rebuilt from its slice range of the fresh residuals.
+        Returns the stack's mean and compressor state.
+        """
+        stack, shard = stack_plan.stack, stack_plan.shard
+        zero = jnp.zeros((), g.dtype)
+        if stack_plan.dense:
+            return _where_skip(skip, zero, dense_mean(g, self.worker_axes)), cstate
+        x = jnp.moveaxis(g, stack.axis, 0)
+        if shard is not None:
+            x = jax.vmap(functools.partial(_node_mean_shard, shard))(x)
+        x = _compensate_stack(stack_plan, state.residuals, x)
+
+        # What is read of G~ before it is consumed: compensated norms and weights.
+        before: dict[int, Any] = {}
+        for n, (plan, start, stop) in enumerate(_ranges(stack_plan)):
+            if plan.kind in ("rows", "2d") and plan.norm_source == "compensated":
+                x, before[n] = _map_range(
+                    x,
+                    start,
+                    stop,
+                    jax.vmap(functools.partial(stores.dimension_norms_in_place, plan)),
+                )
+            elif plan.kind == "weighted" and plan.weight_source == "compensated":
+                weights = _slice_weights(plan, x[start:stop])
+                x, before[n] = ordered(x, weights)
+
+        units = jnp.asarray(stack.units, jnp.int32)
+
+        def reduce_with(compressor: Compressor, x, cstate) -> tuple[Any, Any, Any]:
+            keys = None
+            if compressor.randomness != "none":  # each slice's key is its unit's
+                shard_axis = shard and shard.axis_name
+                keys = jax.vmap(
+                    lambda i: leaf_key(
+                        self.seed, state.count, i, compressor, payload_axes, shard_axis
+                    )
+                )(units)
+            reduced = compressor.reduce_slices(
+                x, cstate, keys, payload_axes, _residual_skip(stack_plan, skip)
+            )
+            return reduced.mean, reduced.residual, reduced.state
+
+        if static is not None:
+            mean, residual, new_cstate = reduce_with(static, x, cstate)
+        else:  # one static-size branch per phase of the density schedule
+            branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
+            mean, residual, new_cstate = lax.switch(phase, branches, x, cstate)
+        reduced = Reduced(mean, residual, new_cstate)
+        mean = reduced.mean
+        if shard is not None:
+            mean = jax.vmap(functools.partial(_gather_shards, shard))(mean)
+        mean = jnp.moveaxis(mean, 0, stack.axis)
+        self._rebuild_stores(
+            stack_plan, reduced.residual, before, state, skip, new_residuals, partial_sums
+        )
+        return _where_skip(skip, zero, mean), _where_skip(skip, cstate, reduced.state)
+
+    def _rebuild_stores(
+        self,
+        stack_plan: StackPlan,
+        r: jax.Array,
+        before: dict[int, Any],
+        state: ExchangeState,
+        skip: jax.Array | None,
+        new_residuals: dict[str, Any],
+        partial_sums: dict[str, list[stores.WeightedSum]],
+    ) -> None:
+        """Every batch's new residuals from its slice range of the stack's fresh residuals
+        ``r`` (and of the loose pieces, partial sums for their groups). ``before``: what
+        was read of ``G~`` for each range (compensated weights or norms)."""
+        units = jnp.asarray(stack_plan.stack.units, jnp.int32)
+        for n, (plan, start, stop) in enumerate(_ranges(stack_plan)):
+            part = r[start:stop]
+            weights = before.get(n)
+            if plan.shared and weights is None:
+                weights = _slice_weights(plan, part)
+            if n >= len(stack_plan.batches):  # a loose group's slices: a partial sum
+                partial = stores.WeightedSum.of_slices(part, weights)
+                partial_sums.setdefault(plan.group.label, []).append(partial)
+                continue
+            batch = stack_plan.batches[n]
+            stored = state.residuals.get(batch.label)
+            if plan.kind == "leaf":
+                new_residuals[batch.label] = part.astype(plan.dtype)
+            elif plan.shared:
+                sums = stores.WeightedSum.of_groups(part, weights, batch.sizes)
+                new_residuals[batch.label] = _where_skip(skip, stored, sums.finish(plan))
+            elif plan.kind in ("rows", "2d"):
+                selection_keys = jax.vmap(
+                    lambda i, plan=plan: _selection_key(
+                        self.seed, state.count, i, self.worker_axes, plan
+                    )
+                )(units[start:stop])
+                kept = jax.vmap(functools.partial(stores.compress_residual, plan))(
+                    part, selection_keys, before.get(n)
+                )
+                new_residuals[batch.label] = _where_skip(skip, stored, kept)
+
+
+def _residual_skip(stack_plan: StackPlan, skip: jax.Array | None) -> jax.Array | None:
+    """The skip hook's argument for a stack: ``skip`` for the slices that keep their own
+    residual (a scalar when all do, one flag per slice when some do), ``None`` if none."""
+    own = np.zeros(stack_plan.stack.size, bool)
+    for batch in stack_plan.batches:
+        own[batch.start : batch.stop] = batch.plan.kind == "leaf"
+    if skip is None or not own.any():
+        return None
+    return skip if own.all() else jnp.logical_and(skip, jnp.asarray(own))
+
+
+def _ranges(stack_plan: StackPlan) -> list[tuple[stores.StorePlan, int, int]]:
+    """``(store plan, start, stop)`` of every batch, then of every loose piece."""
+    batches = [(b.plan, b.start, b.stop) for b in stack_plan.batches]
+    return batches + list(stack_plan.pieces)
+
+
+def _map_range(x: jax.Array, start: int, stop: int, fn: Callable) -> tuple[jax.Array, Any]:
+    """``fn`` of slices ``start ... stop - 1`` of ``x``, which returns ``(new slices,
+    extra)``; the new slices are written back into ``x``."""
+    if (start, stop) == (0, x.shape[0]):
+        return fn(x)
+    new, extra = fn(x[start:stop])
+    return x.at[start:stop].set(new), extra
+
+
+def _slice_weights(plan: stores.StorePlan, x: jax.Array) -> jax.Array:
+    """Every slice's member weight (§4.2), float32 ``[slices]``; ones for ``"average"``."""
+    if plan.kind == "average":
+        return jnp.ones(x.shape[:1], jnp.float32)
+    return jax.vmap(lambda s: stores.residual_weight(s, plan.phi, plan.shard))(x)
+
+
+def _compensate_stack(stack_plan: StackPlan, residuals: dict[str, Any], x: jax.Array) -> jax.Array:
+    """``G~ = G + R`` for every slice of a slice-major stack ``x``, with its store's ``R``.
+
+    A stack that is one plain error-feedback batch is compensated into its donated
+    residual, as a leaf's own residual is; otherwise every slice range gets its residuals
+    added in ``x``'s own buffer (:func:`resireduce_jax.in_place.add_slices`).
+    """
+    batches = stack_plan.batches
+    if (
+        len(batches) == 1
+        and not stack_plan.pieces
+        and batches[0].plan.kind == "leaf"
+        and (batches[0].start, batches[0].stop) == (0, x.shape[0])
+    ):
+        return x + residuals[batches[0].label].astype(x.dtype)
+    for batch in batches:
+        plan = batch.plan
+        stored = residuals.get(batch.label)
+        if plan.kind == "leaf":
+            x = in_place.add_slices(x, stored, batch.start, np.arange(len(batch.stores)))
+        elif plan.shared:
+            x = in_place.add_slices(x, stored, batch.start, batch.store_of_slice)
+        elif plan.kind in ("rows", "2d"):
+            x, _ = _map_range(
+                x,
+                batch.start,
+                batch.stop,
+                lambda part, plan=plan, stored=stored: (
+                    jax.vmap(functools.partial(stores.compensate, plan))(stored, part),
+                    None,
+                ),
+            )
+    for plan, start, stop in stack_plan.pieces:
+        stored = residuals[plan.group.label]
+        x = in_place.add_slices(x, stored[None], start, np.zeros(stop - start, np.int32))
+    return x
+
 
 def exchange(
     compressor: Compressor,
@@ -494,6 +820,7 @@ def exchange(
     seed: int = 0,
     name: str = "exchange",
     local_axis: str | None = None,
+    layer_stacks: layer_stacks_lib.LayerStacks | None = None,
 ) -> ExchangeTransformation:
     """The exchange transform with the residual stores that ``planner`` decides.
 
@@ -510,6 +837,9 @@ def exchange(
       name: the public factory's name, for error messages.
       local_axis: the axis of a node's devices for the hierarchical exchange (module
         docstring), or ``None`` (flat).
+      layer_stacks: ``{regex: axis}``: the leaves that stack a weight of every layer, and
+        their layer axis (:mod:`resireduce_jax.layer_stacks`); ``planner`` then sees the
+        unstacked pytree (every slice a leaf at its slice path).
 
     Returns:
       An :class:`ExchangeTransformation` whose state is an :class:`ExchangeState`.
@@ -520,7 +850,8 @@ def exchange(
             raise ValueError(
                 f"local_axis must be the name of a mesh axis other than {data}, got {local_axis!r}."
             )
-    core = _Exchange(compressor, axis_name, planner, min_size, seed, name, local_axis)
+    stacks = layer_stacks_lib.check(layer_stacks)
+    core = _Exchange(compressor, axis_name, planner, min_size, seed, name, local_axis, stacks)
     return ExchangeTransformation(core.init, core.update)
 
 
@@ -552,21 +883,51 @@ def exchange_states(opt_state: PyTree) -> list[ExchangeState]:
     ]
 
 
+def store_residuals(state: ExchangeState, plan: ExchangePlan) -> dict[str, Any]:
+    """``{group label: stored residual}`` of every store that keeps one.
+
+    The state of a transform with ``layer_stacks`` keeps the stores of a run of slices
+    together (:class:`~resireduce_jax.residual_stores.StoreBatch`); here each store's value
+    is its own, as the same transform keeps it on the unstacked pytree. Arrays have a
+    leading worker axis (a state gathered from the workers, or restored).
+    """
+    out = {p.group.label: state.residuals[p.group.label] for p in plan.loose}
+    for batch in plan.batches:
+        if batch.plan.kind == "none":
+            continue
+        value = state.residuals[batch.label]
+        for n, store in enumerate(batch.stores):
+            out[store.group.label] = jax.tree.map(lambda x, n=n: x[:, n], value)
+    return out
+
+
+def _state_residuals(plan: ExchangePlan, values: dict[str, Any]) -> dict[str, Any]:
+    """The state's residuals from every store's value (:func:`store_residuals` inverted)."""
+    out = {p.group.label: values[p.group.label] for p in plan.loose}
+    for batch in plan.batches:
+        if batch.plan.kind != "none":
+            parts = [values[p.group.label] for p in batch.stores]
+            out[batch.label] = jax.tree.map(lambda *xs: np.stack(xs, axis=1), *parts)
+    return out
+
+
 def leaf_residuals(
     state: ExchangeState, plan: ExchangePlan, *, dense_only: bool = True
 ) -> dict[str, Any]:
-    """``{leaf path: residual}`` for leaves whose residual is their own.
+    """``{unit path: residual}`` for units (leaves, or slices of layer stacks) whose
+    residual is their own.
 
-    With ``dense_only`` (default) only ``"leaf"`` stores (the leaf's full residual, as in
+    With ``dense_only`` (default) only ``"leaf"`` stores (the unit's full residual, as in
     plain error feedback); otherwise intra-layer stores too, densified with zeros where
-    nothing is kept. Shared group residuals belong to no single leaf and are left out.
-    Arrays keep any leading worker axis they have.
+    nothing is kept. Shared group residuals belong to no single unit and are left out.
+    Arrays keep their leading worker axis.
     """
+    values = store_residuals(state, plan)
     out = {}
     for store in plan.kept:
         if store.shared or (dense_only and store.kind != "leaf"):
             continue
-        value = state.residuals[store.group.label]
+        value = values[store.group.label]
         if store.kind != "leaf":
             value = jax.vmap(functools.partial(stores.densify, store))(value)
         out[store.group.paths[0]] = value
@@ -661,11 +1022,13 @@ def resize_workers(
         x = np.asarray(x)
         return np.ascontiguousarray(np.broadcast_to(x, (num_workers, *x.shape)))
 
-    residuals = {}
+    saved = store_residuals(state, plan)
+    values = {}
     for old, new in zip(plan.kept, new_plan.kept, strict=True):
-        owed = _node_residuals(old, state.residuals[old.group.label])
+        owed = _node_residuals(old, saved[old.group.label])
         mean = sum(owed) / len(owed)
-        residuals[new.group.label] = _store_residual(new, mean, num_workers)
+        values[new.group.label] = _store_residual(new, mean, num_workers)
+    residuals = _state_residuals(new_plan, values)
 
     relaid = any(a.shard != b.shard for a, b in zip(plan.stores, new_plan.stores, strict=True))
 

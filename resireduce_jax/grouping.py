@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resireduce_jax import layer_stacks as layer_stacks_lib
 from resireduce_jax.tree_paths import is_compressible, path_to_str
 
 PyTree = Any
@@ -188,6 +189,12 @@ class Group:
 
 
 def _labels_for(params: PyTree, grouping: Grouping) -> list[Any]:
+    if isinstance(params, layer_stacks_lib.UnstackedView) and not callable(grouping):
+        raise ValueError(
+            "With layer_stacks the grouping must be a callable (grouping.auto(), "
+            "grouping.regex(...)): it sees every slice of a stack at its slice path, while a "
+            "labels pytree has one label per stacked leaf."
+        )
     labels = grouping(params) if callable(grouping) else grouping
     treedef = jax.tree.structure(params)
     try:
@@ -304,17 +311,27 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def report(params: PyTree, grouping: Grouping, min_size: int = 10_000) -> GroupingReport:
+def report(
+    params: PyTree,
+    grouping: Grouping,
+    min_size: int = 10_000,
+    *,
+    layer_stacks: layer_stacks_lib.LayerStacks | None = None,
+) -> GroupingReport:
     """Tabulates the groups ``grouping`` forms on ``params`` (shapes only; nothing allocated).
 
     Args:
       params: params or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
       grouping: labels pytree or callable.
       min_size: as in :func:`resireduce_jax.resireduce`.
+      layer_stacks: as in :func:`resireduce_jax.resireduce`: every slice of a stack is a
+        layer, reported at its slice path.
 
     Returns:
       A :class:`GroupingReport`; print it.
     """
+    if layer_stacks is not None:
+        params = layer_stacks_lib.layout(params, layer_stacks_lib.check(layer_stacks)).view()
     groups = resolve(params, grouping, min_size)
     _, leaves, _ = _flatten(params)
     grouped = {i for g in groups for i in g.members}

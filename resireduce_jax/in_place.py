@@ -32,12 +32,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
     "BLOCK_BYTES",
     "MAX_BLOCKS",
     "add_into",
+    "add_slices",
     "block_indices",
     "flat_index",
     "gather_as",
@@ -79,7 +81,9 @@ def _block_rows(rows: int, cols: int, itemsize: int) -> int:
     return -(-rows // blocks)
 
 
-def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+def map_blocks(
+    x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array], *, slices: int = 1
+) -> jax.Array:
     """``fn`` applied to ``x`` row block by row block, in ``x``'s own buffer.
 
     Args:
@@ -88,13 +92,17 @@ def map_blocks(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array]) ->
         rows ``row0 ...`` of ``x``'s rows view (``x.reshape(x.shape[0], -1)``, or a 1-D
         ``x`` cut into rows) and ``row0`` a traced int32. It must be elementwise in the
         block's position (see :func:`flat_index`).
+      slices: ``x`` is this many equal slices along its axis 0 (a layer stack,
+        :mod:`resireduce_jax.layer_stacks`): the rows view is every slice's rows
+        (``x.reshape(slices * x.shape[1], -1)``) and blocks are sized as for one slice,
+        so a stack is mapped in blocks as small as one of its layers would be.
 
     Returns:
       ``x`` with every element mapped, shaped like ``x``.
     """
-    m = _rows_view(x)
+    m = x.reshape(slices * x.shape[1], -1) if slices > 1 and x.ndim > 2 else _rows_view(x)
     rows, cols = m.shape
-    b = _block_rows(rows, cols, x.dtype.itemsize)
+    b = _block_rows(rows // slices, cols, x.dtype.itemsize)
     if b >= rows:
         return fn(m, jnp.zeros([], jnp.int32)).reshape(x.shape)
     full = rows // b
@@ -132,6 +140,36 @@ def add_into(x: jax.Array, y: jax.Array, scale: jax.Array | None = None) -> jax.
     return map_blocks(x, add)
 
 
+def add_slices(x: jax.Array, values: jax.Array, start: int, index: Any) -> jax.Array:
+    """``x`` with ``values[index[i]]`` added to the slice ``x[start + i]`` for every ``i``,
+    written over ``x``'s buffer block by block (:func:`map_blocks`; ``x`` must not be read
+    afterwards).
+
+    For a layer stack seen slice-major (``x``: ``[slices, *shape]``) and residuals kept
+    for runs of its slices (``values``: ``[n, *shape]``, ``index``: a static int array
+    mapping each slice of the run to its residual): one residual per slice, or one per
+    group of adjacent slices. ``x`` is mapped as rows of its slices (``[slices * a, c]``
+    for slices ``(a, c)``), each block reading the residual rows it needs, cast to ``x``'s
+    dtype (a 16-bit ``values`` through :func:`read_in_loop`); slices outside the run are
+    left as they are, bit for bit.
+    """
+    slices = x.shape[0]
+    a = x.shape[1] if x.ndim > 2 else 1
+    c = math.prod(x.shape[1:]) // a
+    table = np.full(slices, -1, np.int32)
+    table[start : start + len(index)] = index
+    table = jnp.asarray(table)
+    rows_of = values.reshape(values.shape[0], a, c)
+
+    def add(block, row0):
+        rows = row0 + lax.iota(jnp.int32, block.shape[0])
+        which = table[rows // a]
+        part = gather_as(rows_of, (jnp.maximum(which, 0), rows % a), block.dtype)
+        return jnp.where((which >= 0)[:, None], block + part, block)
+
+    return map_blocks(x.reshape(slices, a, c), add, slices=slices).reshape(x.shape)
+
+
 def block_indices(block: jax.Array, row0: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The (row, column) of every element of a block of :func:`map_blocks` in the rows view."""
     rows = lax.broadcasted_iota(jnp.int32, block.shape, 0) + row0
@@ -165,25 +203,27 @@ def signed_at(magnitude: jax.Array, bits: jax.Array, index: jax.Array) -> jax.Ar
     return jnp.where(negative_at(bits, index), -magnitude, magnitude)
 
 
-def magnitudes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def magnitudes(x: jax.Array, *, slices: int = 1) -> tuple[jax.Array, jax.Array]:
     """``(|x|, sign_bits(x))`` with ``|x|`` written over ``x``'s buffer.
 
-    ``x`` must not be read afterwards; :func:`with_signs` gives it back.
+    ``x`` must not be read afterwards; :func:`with_signs` gives it back. ``slices``: ``x``
+    is a layer stack of that many slices (:func:`map_blocks`).
     """
     bits = sign_bits(x)
     x, bits = lax.optimization_barrier((x, bits))  # the signs are read before |x| overwrites x
-    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block))
+    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block), slices=slices)
     # Readers of |x| read the buffer: no fusion recomputes abs from x, which would keep x alive.
     return lax.optimization_barrier((magnitude, bits))
 
 
-def with_signs(magnitude: jax.Array, bits: jax.Array) -> jax.Array:
-    """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer."""
+def with_signs(magnitude: jax.Array, bits: jax.Array, *, slices: int = 1) -> jax.Array:
+    """``x`` again from ``magnitudes(x)``, bit for bit, written over ``magnitude``'s buffer
+    (``slices``: as in :func:`magnitudes`)."""
 
     def restore(block, row0):
         return jnp.where(negative_at(bits, flat_index(block, row0)), -block, block)
 
-    return map_blocks(magnitude, restore)
+    return map_blocks(magnitude, restore, slices=slices)
 
 
 def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:

@@ -33,6 +33,7 @@ from resireduce_jax import grouping as grouping_lib
 from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.exchange import DEFAULT_MIN_SIZE, AxisName, ExchangeTransformation, exchange
+from resireduce_jax.layer_stacks import LayerStacks
 from resireduce_jax.transforms import check_compressor, check_min_size
 from resireduce_jax.tree_paths import leaf_paths
 
@@ -183,6 +184,7 @@ def resireduce(
     axis_name: AxisName = "data",
     *,
     local_axis: str | None = None,
+    layer_stacks: LayerStacks | None = None,
     grouping: grouping_lib.Grouping | None = None,
     inter: Literal["none", "average", "weighted"] = "weighted",
     intra: Literal["none", "rows", "2d"] = "2d",
@@ -210,6 +212,14 @@ def resireduce(
         (:mod:`resireduce_jax.residual_stores`, :mod:`resireduce_jax.exchange`). The
         compressor's ratio applies to each shard (multiply it by ``L`` to keep a flat
         run's bytes per device).
+      layer_stacks: ``{regex: axis}`` declaring the leaves that stack a weight of every
+        layer (a model scanned over its layers, e.g. ``{"h": 0}``) and their layer axis.
+        Every slice is then a layer in every sense: compressed on its own, grouped
+        (``grouping`` and ``intra_layers`` see slice paths such as
+        ``h/3/attn/c_attn/kernel``, so adjacent layers are adjacent slices), stored (a
+        group of adjacent slices keeps one residual, kept with its neighbours as a slice
+        range of the stack) and counted: the transform is the same transform on the
+        unstacked pytree (:mod:`resireduce_jax.layer_stacks`), to float32 rounding.
       grouping: which leaves share a residual: a labels pytree or a callable
         ``params -> labels`` (:mod:`resireduce_jax.grouping`); default
         ``grouping.auto()`` (adjacent same-role, same-shape leaves, up to 3).
@@ -289,4 +299,5 @@ def resireduce(
         seed=seed,
         name="resireduce",
         local_axis=local_axis,
+        layer_stacks=layer_stacks,
     )

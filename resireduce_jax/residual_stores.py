@@ -353,10 +353,67 @@ class WeightedSum(NamedTuple):
         weight = weight.astype(self.weight.dtype)
         return WeightedSum(in_place.add_into(self.total, r, weight), self.weight + weight)
 
+    def merge(self, other: WeightedSum) -> WeightedSum:
+        """The sum of two partial sums of one group (e.g. slices of two layer stacks)."""
+        return WeightedSum(in_place.add_into(self.total, other.total), self.weight + other.weight)
+
+    @classmethod
+    def of_slices(cls, r: jax.Array, weights: jax.Array) -> WeightedSum:
+        """The sum over the leading (slice) axis of ``r``: members that are consecutive
+        slices of a layer stack, weighted by ``weights`` (float32 ``[slices]``)."""
+        sums = cls.of_groups(r, weights, (r.shape[0],))
+        return cls(sums.total[0], sums.weight[0])
+
+    @classmethod
+    def of_groups(cls, r: jax.Array, weights: jax.Array, sizes: tuple[int, ...]) -> WeightedSum:
+        """The sums of consecutive groups of slices: group ``g`` is the next ``sizes[g]``
+        slices of ``r`` (``[sum(sizes), *shape]``); returns ``total`` ``[groups, *shape]``
+        and ``weight`` ``[groups]``, in float32 or wider.
+
+        Every group's members are added from the last to the first, as :meth:`first` and
+        :meth:`add` add a group's members one by one, but for all groups of one size at
+        once: an element-wise expression of the slices of ``r`` that XLA fuses into one
+        pass (no weighted copy of the slices), which :meth:`finish` and a skip's select can
+        write over the stored residuals.
+        """
+        dtype = jnp.promote_types(r.dtype, jnp.float32)
+        totals, weight_sums, start = [], [], 0
+        for size, groups in _equal_runs(sizes):
+            stop = start + size * groups
+            part = r[start:stop].reshape(groups, size, *r.shape[1:])
+            w = weights[start:stop].astype(dtype).reshape(groups, size)
+            expand = (slice(None),) + (None,) * (r.ndim - 1)
+            total = w[:, -1][expand] * part[:, -1].astype(dtype)
+            weight = w[:, -1]
+            for t in reversed(range(size - 1)):
+                total = total + w[:, t][expand] * part[:, t].astype(dtype)
+                weight = weight + w[:, t]
+            totals.append(total)
+            weight_sums.append(weight)
+            start = stop
+        if len(totals) == 1:
+            return cls(totals[0], weight_sums[0])
+        return cls(jnp.concatenate(totals), jnp.concatenate(weight_sums))
+
     def finish(self, plan: StorePlan) -> jax.Array:
-        """The group residual; zero when all weights are zero (all members' x_i = 0)."""
-        safe = jnp.where(self.weight > 0, self.weight, 1)
-        return jnp.where(self.weight > 0, self.total / safe, 0).astype(plan.dtype)
+        """The group residual; zero when all weights are zero (all members' x_i = 0).
+        With a leading group axis (:meth:`of_groups`), every group's."""
+        weight = self.weight.reshape(
+            self.weight.shape + (1,) * (self.total.ndim - self.weight.ndim)
+        )
+        safe = jnp.where(weight > 0, weight, 1)
+        return jnp.where(weight > 0, self.total / safe, 0).astype(plan.dtype)
+
+
+def _equal_runs(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(size, count)`` of every run of equal consecutive ``sizes``."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return [(size, count) for size, count in runs]
 
 
 def _select(norms: jax.Array, k: int, selection: Selection, key: jax.Array | None) -> jax.Array:
@@ -462,3 +519,104 @@ def densify(plan: StorePlan, stored: Any) -> jax.Array:
         return jnp.asarray(stored)
     zeros = jnp.zeros(plan.group.shape, jnp.promote_types(plan.dtype, jnp.float32))
     return compensate(plan, stored, zeros)
+
+
+# ------------------------------------------------------------------ layer stacks: batches
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreBatch:
+    """Stores of consecutive slices of one layer stack, kept as one array per field.
+
+    A scanned model keeps every layer of a weight in one leaf (:mod:`resireduce_jax.
+    layer_stacks`); its slices are layers with stores of their own, and the stores of a
+    run of consecutive slices that are stored alike are kept together: the batch's value
+    is their values stacked on a leading axis (``[len(stores), *store shape]``), so the
+    exchange works on a slice range of the stack, never on per-layer arrays. Store ``i``
+    keeps slices ``starts[i] ... starts[i] + sizes[i] - 1``: one slice for a singleton
+    store (``"none"``, ``"leaf"``, ``"rows"``, ``"2d"``), a range of adjacent slices for a
+    shared group (``"average"``, ``"weighted"``).
+
+    Attributes:
+      label: the key of the batch's value in ``ExchangeState.residuals``:
+        ``"{stack path}[{start}:{stop}]"``.
+      leaf: index of the stacked leaf.
+      start: first slice.
+      stop: one past the last slice.
+      stores: the batched stores, in slice order; they differ only in their groups.
+    """
+
+    label: str
+    leaf: int
+    start: int
+    stop: int
+    stores: tuple[StorePlan, ...]
+
+    @property
+    def plan(self) -> StorePlan:
+        """The first store: kind, dtype and options of every store of the batch."""
+        return self.stores[0]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(len(p.group.members) for p in self.stores)
+
+    @property
+    def store_of_slice(self) -> np.ndarray:
+        """For every slice of ``start ... stop - 1``, the index of the store keeping it."""
+        return np.repeat(np.arange(len(self.stores), dtype=np.int32), self.sizes)
+
+
+def _batch_signature(plan: StorePlan) -> StorePlan:
+    return dataclasses.replace(plan, group=None)
+
+
+def batch_stores(
+    plans: tuple[StorePlan, ...], slice_of: dict[int, tuple[int, int]], stack_paths: dict[int, str]
+) -> tuple[StoreBatch, ...]:
+    """The :class:`StoreBatch` es of the stores whose members are consecutive slices of one
+    stack, stored alike; a store with members elsewhere (another stack, a whole leaf, slices
+    that are not adjacent) is in no batch.
+
+    Args:
+      plans: every store plan; members are unit indices.
+      slice_of: ``{unit index: (stacked leaf, slice index)}`` for every slice unit.
+      stack_paths: ``{stacked leaf: its path}``.
+    """
+    ranges = []  # (leaf, start, stop, plan)
+    for plan in plans:
+        where = [slice_of.get(m) for m in plan.group.members]
+        if any(w is None for w in where) or len({leaf for leaf, _ in where}) > 1:
+            continue
+        indices = [s for _, s in where]
+        if indices != list(range(indices[0], indices[0] + len(indices))):
+            continue
+        ranges.append((where[0][0], indices[0], indices[-1] + 1, plan))
+    ranges.sort(key=lambda r: (r[0], r[1]))
+    batches: list[list[tuple[int, int, int, StorePlan]]] = []
+    for r in ranges:
+        last = batches[-1][-1] if batches else None
+        if (
+            last is not None
+            and last[0] == r[0]
+            and last[2] == r[1]
+            and _batch_signature(last[3]) == _batch_signature(r[3])
+        ):
+            batches[-1].append(r)
+        else:
+            batches.append([r])
+    return tuple(
+        StoreBatch(
+            label=f"{stack_paths[run[0][0]]}[{run[0][1]}:{run[-1][2]}]",
+            leaf=run[0][0],
+            start=run[0][1],
+            stop=run[-1][2],
+            stores=tuple(r[3] for r in run),
+        )
+        for run in batches
+    )
+
+
+def init_batch(batch: StoreBatch) -> Any:
+    """Zero residuals of every store of ``batch``, stacked (:func:`init_store`)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *(init_store(p) for p in batch.stores))

@@ -36,6 +36,7 @@ from resireduce_jax.exchange import (
     exchange,
     singleton_stores,
 )
+from resireduce_jax.layer_stacks import LayerStacks
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -69,6 +70,7 @@ def compressed_mean(
     axis_name: AxisName = "data",
     *,
     local_axis: str | None = None,
+    layer_stacks: LayerStacks | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
 ) -> ExchangeTransformation:
@@ -87,6 +89,10 @@ def compressed_mean(
         :mod:`resireduce_jax.exchange`). ``None``: flat. The compressor's ratio applies
         to each device's shard, so a node sends that fraction of its mean gradient;
         multiply it by ``L`` to keep a flat run's bytes per device.
+      layer_stacks: ``{regex: axis}`` declaring the leaves that stack a weight of every
+        layer (a model scanned over its layers) and their layer axis; every slice is then
+        a layer of its own: compressed and stored as the same transform does on the
+        unstacked pytree (:mod:`resireduce_jax.layer_stacks`). ``None``: no stacks.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys of randomized compressors.
 
@@ -104,6 +110,7 @@ def compressed_mean(
         seed=seed,
         name="compressed_mean",
         local_axis=local_axis,
+        layer_stacks=layer_stacks,
     )
 
 
@@ -112,6 +119,7 @@ def error_feedback(
     axis_name: AxisName = "data",
     *,
     local_axis: str | None = None,
+    layer_stacks: LayerStacks | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
 ) -> ExchangeTransformation:
@@ -135,6 +143,10 @@ def error_feedback(
       local_axis: hierarchical exchange over a node's devices: residuals are sharded over
         ``local_axis``, ``1/L`` of each per device, and error feedback acts on node means
         (:mod:`resireduce_jax.exchange`). ``None``: flat.
+      layer_stacks: ``{regex: axis}`` declaring the leaves that stack a weight of every
+        layer (a model scanned over its layers) and their layer axis; every slice is then
+        a layer of its own: compressed and stored as the same transform does on the
+        unstacked pytree (:mod:`resireduce_jax.layer_stacks`). ``None``: no stacks.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys of randomized compressors.
 
@@ -155,4 +167,5 @@ def error_feedback(
         seed=seed,
         name="error_feedback",
         local_axis=local_axis,
+        layer_stacks=layer_stacks,
     )

@@ -163,9 +163,7 @@ def build_step(
 
 def build_task(config: ml_collections.ConfigDict) -> tasks.Task:
     """The config's zoo model (with ``model.overrides``) on its kind of dataset."""
-    model_config = models.get_config(
-        config.model.name, **config_schema.free_form(config.model.overrides)
-    )
+    model_config = models.get_config(config.model.name, **config_schema.model_overrides(config))
     return tasks.make_task(model_config.build(), model_config, dataset_kind(model_config))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import types
 
 __all__ = ["LAYERS_PER_GROUP", "consecutive_layer_rules", "sibling_config"]
@@ -24,18 +25,21 @@ LAYERS_PER_GROUP = 3
 
 
 def consecutive_layer_rules(
-    num_layers: int, prefix: str, label: str, per_group: int = LAYERS_PER_GROUP
+    num_layers: int, scope: str, label: str, per_group: int = LAYERS_PER_GROUP
 ) -> tuple[tuple[str, str], ...]:
     """One :func:`resireduce_jax.grouping.regex` rule per run of ``per_group`` layers.
 
-    Layer ``i``'s parameter ``{prefix}{i}/x`` goes to group ``{label}{a}-{b}/x``, where
-    ``a..b`` is the run holding ``i`` (GPT-2: ``prefix="h_"``, ``label="h"``).
+    Layer ``i``'s parameter ``x`` goes to group ``{label}{a}-{b}/x``, where ``a..b`` is the
+    run holding ``i``, whether the layers are written out (``{scope}_{i}/x``) or scanned
+    (``model.scan_layers``: slice ``i`` of the stacked ``{scope}/x`` is ``{scope}/{i}/x``,
+    :mod:`resireduce_jax.layer_stacks`), so the groups of a scanned run are those of the
+    written-out one (GPT-2: ``scope="h"``, ``label="h"``).
     """
     rules = []
     for first in range(0, num_layers, per_group):
         last = min(first + per_group, num_layers) - 1
         members = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"{prefix}({members})/(.+)", rf"{label}{first}-{last}/\2"))
+        rules.append((rf"{re.escape(scope)}[_/]({members})/(.+)", rf"{label}{first}-{last}/\2"))
     return tuple(rules)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "base_config",
     "check_processes",
     "local_devices",
+    "model_overrides",
     "parse_variant",
     "validate",
 ]
@@ -71,6 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.name = "digits_mlp"
     c.model.overrides = ml_collections.ConfigDict()  # free-form, forwarded to models.get_model
+    # Apply the repeated layers with nn.scan (GPT-2, BERT, byte_gpt): one leaf per weight
+    # with a leading layer axis; the exchange treats every slice as a layer (layer_stacks).
+    c.model.scan_layers = False
 
     # Free-form: `name` plus the fields that dataset takes (train/input_pipeline.py).
     c.dataset = ml_collections.ConfigDict({"name": "digits"})
@@ -216,6 +220,10 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         not c.local_devices or (c.local_devices >= 1 and c.num_workers % c.local_devices == 0),
         f"local_devices={c.local_devices} must be >= 1 and divide num_workers={c.num_workers} "
         "(every node has the same number of devices); unset it (or 0) for the flat exchange.",
+    )
+    _check(
+        isinstance(c.model.scan_layers, bool),
+        f"model.scan_layers must be true or false, got {c.model.scan_layers!r}.",
     )
     _check(c.batch_size_per_worker >= 1, "batch_size_per_worker must be >= 1.")
     _check(
@@ -377,6 +385,15 @@ def check_processes(config: ml_collections.ConfigDict, num_processes: int) -> No
         f"must belong to one process; run one process per node (local_devices={per_process}) "
         "or use a local_devices that divides the devices per process.",
     )
+
+
+def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The fields of the model configuration that the config sets: ``model.overrides``,
+    and ``scan_layers`` when ``model.scan_layers`` is on."""
+    overrides = free_form(config.model.overrides)
+    if config.model.get("scan_layers"):
+        overrides["scan_layers"] = True
+    return overrides
 
 
 def free_form(section: ml_collections.ConfigDict) -> dict[str, Any]:

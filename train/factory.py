@@ -63,6 +63,7 @@ __all__ = [
     "build_tx",
     "density_phases",
     "density_schedule",
+    "layer_stacks",
     "local_axis",
     "resireduce_arguments",
 ]
@@ -155,6 +156,14 @@ def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
     return rr.grouping.auto(comp.max_group_size or None)
 
 
+def layer_stacks(config: ml_collections.ConfigDict) -> dict[str, int] | None:
+    """The exchange's ``layer_stacks`` for the config's model: ``{"h": 0}`` for GPT-2 with
+    ``model.scan_layers`` (its blocks scanned), ``None`` for a model written out."""
+    return rr.models.get_config(
+        config.model.name, **config_schema.model_overrides(config)
+    ).layer_stacks
+
+
 def local_axis(config: ml_collections.ConfigDict) -> str | None:
     """The mesh axis of a node's devices when ``config.local_devices`` is set, else ``None``."""
     return rr.parallel.LOCAL_AXIS if config_schema.local_devices(config) else None
@@ -167,6 +176,7 @@ def build_exchange(
     axis_name: str = "data",
     local_axis: str | None = None,
     total_steps: int | None = None,
+    layer_stacks: dict[str, int] | None = None,
 ) -> rr.ExchangeTransformation:
     """The gradient-exchange transform of a residual ``variant`` (default: the config's).
 
@@ -174,10 +184,11 @@ def build_exchange(
     :func:`local_axis`), ``None``: flat. ``total_steps``: the run's length, for the
     compressor's density schedule (``None``: the steady-state compressor, which keeps the
     same residuals: enough for plans and layouts). ``dgc``'s residual layout is plain
-    error feedback's (its memory is built by :func:`build_tx`).
+    error feedback's (its memory is built by :func:`build_tx`). ``layer_stacks``: the
+    model's stacked layers (:func:`layer_stacks`), ``None``: none.
     """
     variant = variant or comp.variant
-    options = {"min_size": comp.min_size, "local_axis": local_axis}
+    options = {"min_size": comp.min_size, "local_axis": local_axis, "layer_stacks": layer_stacks}
     if variant == "dense":
         return rr.compressed_mean(rr.compressors.none(), axis_name, **options)
     compressor = build_compressor(comp, total_steps)
@@ -186,7 +197,11 @@ def build_exchange(
     if variant in ("ef", "dgc"):
         return rr.error_feedback(compressor, axis_name, **options)
     return rr.resireduce(
-        compressor, axis_name, local_axis=local_axis, **_resireduce_options(comp, variant)
+        compressor,
+        axis_name,
+        local_axis=local_axis,
+        layer_stacks=layer_stacks,
+        **_resireduce_options(comp, variant),
     )
 
 
@@ -215,15 +230,19 @@ def build_store_plans(
     *,
     local_axis: str | None = None,
     local_size: int = 1,
+    layer_stacks: dict[str, int] | None = None,
 ) -> list | None:
     """ResiReduce's residual store plans for ``params`` (``None`` for other variants).
 
     With ``local_axis`` and ``local_size > 1`` (the hierarchical exchange) every plan is one
     device's shard (:func:`resireduce_jax.residual_stores.shard_store`), as the transform
-    built by :func:`build_exchange` with that ``local_axis`` keeps it.
+    built by :func:`build_exchange` with that ``local_axis`` keeps it. With
+    ``layer_stacks`` the plans are those of the unstacked params (one unit per slice).
     """
     if resireduce_arguments(comp.variant) is None:
         return None
+    if layer_stacks is not None:
+        params = rr.layer_stacks.layout(params, rr.layer_stacks.check(layer_stacks)).view()
     plans = rr.residual_reduction.plan_stores(params, **_resireduce_options(comp, comp.variant))
     if local_axis is not None and local_size > 1:
         plans = [rr.residual_stores.shard_store(p, local_axis, local_size) for p in plans]
@@ -332,7 +351,13 @@ def build_tx(
             min_size=comp.min_size,
         )
         return optax.chain(*chain, memory, rr.optimizers.sgd(schedule))
-    exchange = build_exchange(comp, variant=variant, local_axis=local_axis, total_steps=total_steps)
+    exchange = build_exchange(
+        comp,
+        variant=variant,
+        local_axis=local_axis,
+        total_steps=total_steps,
+        layer_stacks=layer_stacks(config),
+    )
     if o.name in COMPRESSED_MOMENTUM:
         return COMPRESSED_MOMENTUM[o.name](
             schedule,

@@ -88,12 +88,14 @@ def optimizer_names(name: str) -> dict[str, str]:
     return {"original": name}
 
 
-def _is_chain_model(model_config: Any) -> bool:
+def _no_chain_reason(model_config: Any) -> str | None:
+    """Why rotor has no chain of stages to plan (``None``: a chain model), e.g. a model
+    scanned over its layers (``model.scan_layers``)."""
     try:
         model_config.chain_stages()
-    except ValueError:
-        return False
-    return True
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @dataclasses.dataclass
@@ -145,7 +147,8 @@ class StepCompiler:
         self.optimizers = optimizer_names(config.optimizer.name)
         own = compiled_step.variant_label(self.config)
         self.exchanges = (own,) if config.compression.variant in _NO_RESIDUALS else tuple(exchanges)
-        self.chain_model = _is_chain_model(self.task.model_config)
+        self.remat_note = _no_chain_reason(self.task.model_config)
+        self.chain_model = self.remat_note is None
         self._steps: dict[tuple, Compiled] = {}
         self._chains: dict[int, _Chain] = {}
 
@@ -447,6 +450,7 @@ def write_plan(result: planner.FitResult, compiler: StepCompiler, workdir: str) 
         "local_devices": config_schema.local_devices(compiler.config),
         "compilations": compiler.compilations,
         "compile_seconds": compiler.compile_seconds,
+        "rotor": "planned" if compiler.chain_model else f"not a candidate: {compiler.remat_note}",
     }
     path = os.path.join(workdir, PLAN_FILE)
     with open(path, "w") as f:
@@ -488,6 +492,8 @@ def _plan(
         ) from None
     if verbose:
         print(result.table(), flush=True)
+        if not compiler.chain_model:
+            print(f"Rotor is not a candidate: {compiler.remat_note}", flush=True)
         overrides = _planned_overrides(compiler, result.chosen)
         print(
             "Chosen: "

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from resireduce_jax.models import scan
+
 __all__ = ["TASKS", "CausalLM", "Classification", "SpanQA", "Task", "make_task"]
 
 DATASET_TASK = {
@@ -59,7 +61,22 @@ class Task:
     # ------------------------------------------------------------------ training
 
     def init(self, key: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
-        return self.model.init(key, **self.example_inputs(batch))
+        """The model's variables for ``key``.
+
+        A model scanned over its layers (``scan_layers``) starts from the variables of the
+        same model written out, stacked (:func:`resireduce_jax.models.scan.stack_layers`):
+        a scanned run and a written-out run of one seed start from the same weights.
+        """
+        inputs = self.example_inputs(batch)
+        config = self.model_config
+        if not getattr(config, "scan_layers", False):
+            return self.model.init(key, **inputs)
+        written_out = dataclasses.replace(config, scan_layers=False).build()
+        variables = dict(written_out.init(key, **inputs))
+        variables["params"] = scan.stack_layers(
+            variables["params"], config.layer_scope, config.num_layers
+        )
+        return variables
 
     def loss(self, params, model_state, batch, rng):
         """Per-worker loss; returns ``(loss, (new_model_state, metrics))``."""

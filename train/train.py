@@ -155,9 +155,7 @@ def build_run(
         config, known_models=models.MODELS, known_datasets=input_pipeline.DATASETS
     )
     dataset = input_pipeline.get_dataset(config.dataset, seed=config.seed)
-    model_config = models.get_config(
-        config.model.name, **config_schema.free_form(config.model.overrides)
-    )
+    model_config = models.get_config(config.model.name, **config_schema.model_overrides(config))
     task = tasks.make_task(model_config.build(), model_config, dataset.task)
     remat_choice = None
     if remat is not None:
@@ -168,7 +166,7 @@ def build_run(
         model, remat_choice = remat_model.plan_sequential_model(
             config.model.name,
             model_config,
-            config_schema.free_form(config.model.overrides),
+            config_schema.model_overrides(config),
             config.remat.budget,
             task.example_inputs(example),
         )
@@ -269,7 +267,12 @@ def layout_plan(
     """The exchange plan of ``config`` for ``local_devices`` per node (``None``: flat),
     e.g. the layout a checkpoint was written with."""
     local_axis = rr.parallel.LOCAL_AXIS if local_devices else None
-    exchange = factory.build_exchange(config.compression, axis_name=AXIS, local_axis=local_axis)
+    exchange = factory.build_exchange(
+        config.compression,
+        axis_name=AXIS,
+        local_axis=local_axis,
+        layer_stacks=factory.layer_stacks(config),
+    )
     return exchange.plan(abstract_params, local_size=local_devices or 1)
 
 
@@ -330,7 +333,12 @@ def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
         )
     if run.config.compression.variant not in ("dense", "none", "ef"):
         grouping = factory.build_grouping(run.config.compression)
-        report = rr.grouping.report(abstract_params, grouping, run.config.compression.min_size)
+        report = rr.grouping.report(
+            abstract_params,
+            grouping,
+            run.config.compression.min_size,
+            layer_stacks=factory.layer_stacks(run.config),
+        )
         title = "Residual groups:"
         if local_devices:
             title = f"Residual groups (whole layers; each device keeps 1/{local_devices} of each):"

@@ -167,6 +167,35 @@ class Compressor(abc.ABC):
         x, payload = lax.optimization_barrier((x, payload))
         return Reduced(mean=mean, residual=self.residual(x, payload, skip), state=new_state)
 
+    def reduce_slices(
+        self,
+        x: jax.Array,
+        state: PyTree,
+        keys: jax.Array | None,
+        axis_name: str,
+        skip: jax.Array | None = None,
+    ) -> Reduced:
+        """:meth:`reduce` of every slice of ``x`` (``[slices, *shape]``: a layer stack,
+        :mod:`resireduce_jax.layer_stacks`), vectorised over the slices: each slice is
+        compressed on its own, all of them in one selection and one exchange.
+
+        ``state`` and ``keys`` have a leading slice axis; ``skip`` is a scalar or a boolean
+        per slice (``[slices]``). Every slice's mean, residual and state are those of
+        :meth:`reduce` on that slice. A compressor may override this to work on the whole
+        stack at once (Top-k ranks the stack's magnitudes in its own buffer).
+        """
+        in_axes = (
+            0,
+            0,
+            None if keys is None else 0,
+            None if skip is None or jnp.ndim(skip) == 0 else 0,
+        )
+
+        def reduce(x, state, key, skip):
+            return self.reduce(x, state, key, axis_name, skip=skip)
+
+        return jax.vmap(reduce, in_axes=in_axes)(x, state, keys, skip)
+
     def validate(self, path: str, like: jax.ShapeDtypeStruct) -> None:
         """Raises a ValueError if this compressor cannot handle the leaf at ``path``."""
         if not jnp.issubdtype(like.dtype, jnp.floating):

@@ -29,7 +29,13 @@ import numpy as np
 from jax import lax
 
 from resireduce_jax import in_place
-from resireduce_jax.compressors.base import Compressor, check_int, dense_mean, sparse_mean
+from resireduce_jax.compressors.base import (
+    Compressor,
+    Reduced,
+    check_int,
+    dense_mean,
+    sparse_mean,
+)
 from resireduce_jax.compressors.schedule import DensitySchedule, as_density
 
 __all__ = [
@@ -179,13 +185,38 @@ class TopK(_SparseBase):
         at a large layer's exchange (docs/design.md, "Residuals at the compiled peak").
         """
         del key
-        magnitude, bits = in_place.magnitudes(x)
-        top, indices = lax.top_k(magnitude.ravel(), self.k(x.size))
+        payload, x = self._select_in_place(x, None)
+        return payload, state, x
+
+    def reduce_slices(self, x, state, keys, axis_name, skip=None):
+        """:meth:`reduce` of every slice of a layer stack ``x`` at once: ``|x|`` of the whole
+        stack in its buffer (blocks as small as one slice's), one Top-k per slice (a batched
+        ``lax.top_k``), one exchange; each slice's mean and residual are :meth:`reduce`'s.
+        Under ``jax.vmap`` a slice's in-place maps would cover every slice at once: a
+        leaf-sized ``|x|`` of the whole stack beside it."""
+        del keys
+        like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        payload, x = self._select_in_place(x, x.shape[0])
+        mean = jax.vmap(lambda p: self.aggregate(p, like, axis_name))(payload)
+        x, payload = lax.optimization_barrier((x, payload))  # as in reduce
+        skip_axis = None if skip is None or jnp.ndim(skip) == 0 else 0
+        residual = jax.vmap(self.residual, in_axes=(0, 0, skip_axis))(x, payload, skip)
+        return Reduced(mean=mean, residual=residual, state=state)
+
+    def _select_in_place(self, x, slices: int | None) -> tuple[SparsePayload, jax.Array]:
+        """The payload of ``x`` (of each of its ``slices`` along axis 0) and ``x`` again."""
+        magnitude, bits = in_place.magnitudes(x, slices=slices or 1)
+        n = x.size // (slices or 1)
+        ranked = magnitude.ravel() if slices is None else magnitude.reshape(slices, n)
+        top, indices = lax.top_k(ranked, self.k(n))
         indices = indices.astype(jnp.int32)
         # Top-k has read |x| before the signs are restored over it.
         magnitude, bits, top, indices = lax.optimization_barrier((magnitude, bits, top, indices))
-        payload = SparsePayload(in_place.signed_at(top, bits, indices), indices)
-        return payload, state, in_place.with_signs(magnitude, bits)
+        flat = indices
+        if slices is not None:  # indices into the whole stack, for its sign bits
+            flat = indices + n * jnp.arange(slices, dtype=jnp.int32)[:, None]
+        payload = SparsePayload(in_place.signed_at(top, bits, flat), indices)
+        return payload, in_place.with_signs(magnitude, bits, slices=slices or 1)
 
 
 @dataclasses.dataclass(frozen=True)

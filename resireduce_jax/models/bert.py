@@ -18,9 +18,10 @@ Parameter names follow Hugging Face's ``BertModel``: ``embeddings/word_embedding
 ``embeddings/LayerNorm``, ``encoder/layer_{i}/attention/self/{query,key,value}``,
 ``encoder/layer_{i}/attention/output/dense``, ``encoder/layer_{i}/attention/output/LayerNorm``,
 ``encoder/layer_{i}/intermediate/dense``, ``encoder/layer_{i}/output/dense``,
-``encoder/layer_{i}/output/LayerNorm``, ``qa_outputs``. Dense kernels are Flax's
-``[in, out]`` (the transpose of torch's ``Linear.weight``); embedding tables are
-``[vocab, width]`` as in torch.
+``encoder/layer_{i}/output/LayerNorm``, ``qa_outputs``. With ``scan_layers=True`` the
+layers are one ``nn.scan`` named ``encoder/layer`` (every leaf with a leading layer axis).
+Dense kernels are Flax's ``[in, out]`` (the transpose of torch's ``Linear.weight``);
+embedding tables are ``[vocab, width]`` as in torch.
 
 Calling it::
 
@@ -43,7 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models import attention
+from resireduce_jax.models import attention, scan
 from resireduce_jax.models.config import ModelConfig, check_batch_size, dense, layer_norm
 
 __all__ = [
@@ -98,6 +99,7 @@ class BertConfig(ModelConfig):
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "token_type_ids", "attention_mask")
     target_names: ClassVar[tuple[str, ...]] = ("start_positions", "end_positions")
     rng_names: ClassVar[tuple[str, ...]] = ("dropout",)
+    layer_scope: ClassVar[str] = "encoder/layer"
 
     def validate(self) -> None:
         self._require_positive(
@@ -251,7 +253,7 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """The stack of ``layer_{i}``."""
+    """The stack of ``layer_{i}``, or one scanned ``layer`` with ``scan_layers=True``."""
 
     config: BertConfig
 
@@ -259,8 +261,11 @@ class Encoder(nn.Module):
     def __call__(
         self, x: jax.Array, mask: jax.Array | None = None, *, train: bool = False
     ) -> jax.Array:
-        for i in range(self.config.num_layers):
-            x = Layer(self.config, name=f"layer_{i}")(x, mask, train=train)
+        c = self.config
+        if c.scan_layers:
+            return scan.apply_layers(Layer(c, name="layer"), x, c.num_layers, mask, train=train)
+        for i in range(c.num_layers):
+            x = Layer(c, name=f"layer_{i}")(x, mask, train=train)
         return x
 
 

@@ -99,10 +99,14 @@ class ModelConfig:
         Normalizations reduce in float32 and logits are returned in float32 whatever
         this is, so that losses are computed at full precision.
       param_dtype: dtype in which parameters are created and stored.
+      scan_layers: apply the repeated layers with ``nn.scan`` (one set of weights with a
+        leading layer axis, at :attr:`layer_scope`; :mod:`resireduce_jax.models.scan`)
+        instead of writing them out. Models with a :attr:`layer_scope` only.
     """
 
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    scan_layers: bool = False
 
     #: What the model predicts: "classification", "causal_lm" or "span_qa".
     task: ClassVar[str]
@@ -114,6 +118,9 @@ class ModelConfig:
     mutable_collections: ClassVar[tuple[str, ...]] = ()
     #: PRNG streams ``model.apply`` draws from when ``train=True`` (pass them in ``rngs=``).
     rng_names: ClassVar[tuple[str, ...]] = ()
+    #: Where the repeated layers sit: ``{layer_scope}_{i}`` written out, ``{layer_scope}``
+    #: scanned (``"h"``, ``"encoder/layer"``); ``None`` for models that cannot scan.
+    layer_scope: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype, "dtype"))
@@ -124,10 +131,24 @@ class ModelConfig:
             value = getattr(self, field.name)
             if isinstance(value, list):
                 object.__setattr__(self, field.name, tuple(value))
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}.")
+        if self.scan_layers and self.layer_scope is None:
+            raise ValueError(
+                f"{type(self).__name__} has no repeated layers to scan; scan_layers=True "
+                "applies to the GPT-2 and BERT configurations."
+            )
         self.validate()
 
     def validate(self) -> None:
         """Raises ``ValueError`` for invalid field values (subclasses extend it)."""
+
+    @property
+    def layer_stacks(self) -> dict[str, int] | None:
+        """``{layer_scope: 0}`` for a model scanned over its layers, else ``None``: the
+        ``layer_stacks`` of the exchange transforms (:mod:`resireduce_jax.layer_stacks`),
+        under which slice ``i`` of ``h/attn/c_attn/kernel`` is ``h/i/attn/c_attn/kernel``."""
+        return {self.layer_scope: 0} if self.scan_layers else None
 
     def build(self) -> nn.Module:
         """The Flax module this configuration describes."""

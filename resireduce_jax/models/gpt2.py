@@ -12,6 +12,8 @@ medium 24/1024/16 (354.8M), large 36/1280/20 (774.0M).
 Parameter names follow the reference implementation (OpenAI's TF code and Hugging Face
 ``GPT2LMHeadModel``): ``wte``, ``wpe``, ``h_{i}/ln_1``, ``h_{i}/attn/c_attn``,
 ``h_{i}/attn/c_proj``, ``h_{i}/ln_2``, ``h_{i}/mlp/c_fc``, ``h_{i}/mlp/c_proj``, ``ln_f``.
+With ``scan_layers=True`` the blocks are one ``nn.scan`` named ``h`` (``h/attn/c_attn``
+and so on, every leaf with a leading layer axis; :mod:`resireduce_jax.models.scan`).
 Dense kernels are Flax's ``[in, out]`` (the layout of GPT-2's ``Conv1D`` weights, the
 transpose of a torch ``Linear``); ``c_attn``'s output columns are ``[query | key | value]``,
 heads contiguous within each.
@@ -34,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models import attention
+from resireduce_jax.models import attention, scan
 from resireduce_jax.models.config import (
     ChainStage,
     ModelConfig,
@@ -81,6 +83,7 @@ class GPT2Config(ModelConfig):
     input_names: ClassVar[tuple[str, ...]] = ("tokens",)
     target_names: ClassVar[tuple[str, ...]] = ("targets",)
     rng_names: ClassVar[tuple[str, ...]] = ("dropout",)
+    layer_scope: ClassVar[str] = "h"
 
     def validate(self) -> None:
         self._require_positive(
@@ -237,7 +240,18 @@ class Head(nn.Module):
 
 
 def chain_stages(config: GPT2Config) -> list[ChainStage]:
-    """:class:`Embedding`, the blocks ``h_{i}``, :class:`Head`; both ends hold ``wte``."""
+    """:class:`Embedding`, the blocks ``h_{i}``, :class:`Head`; both ends hold ``wte``.
+
+    Raises:
+      ValueError: for a model scanned over its blocks (``scan_layers=True``): its blocks
+        are one scanned stage, and rotor does not plan inside a scan.
+    """
+    if config.scan_layers:
+        raise ValueError(
+            "GPT-2 with scan_layers=True applies its blocks as one nn.scan: rotor does not "
+            "plan checkpoints inside a scan, so the model has no chain of stages; train it "
+            "without remat (or with scan_layers=False for a rotor plan)."
+        )
     return [
         ChainStage(Embedding(config), names=("wte", "wpe")),
         *(ChainStage(Block(config), scope=f"h_{i}") for i in range(config.num_layers)),
@@ -255,6 +269,9 @@ class GPT2(nn.Module):
         c = self.config
         wte = _token_embedding(c)
         x = _embed(c, wte, tokens, train)
-        for i in range(c.num_layers):
-            x = Block(c, name=f"h_{i}")(x, train=train)
+        if c.scan_layers:
+            x = scan.apply_layers(Block(c, name="h"), x, c.num_layers, train=train)
+        else:
+            for i in range(c.num_layers):
+                x = Block(c, name=f"h_{i}")(x, train=train)
         return _head(c, wte, x)
