@@ -18,8 +18,9 @@ warm-up:
   :math:`\bar g = \frac1N\sum_i g_i` (clipped to ``max_grad_norm`` by global norm),
   :math:`m \leftarrow β_1 m + (1-β_1)\bar g`, :math:`v \leftarrow β_2 v + (1-β_2)\bar g^2`;
 * compression, :math:`t > T_w`: each worker forms its local momentum
-  :math:`m_i = β_1 m + (1-β_1) g_i` (:math:`g_i` clipped to ``max_grad_norm`` by its own
-  global norm), and the exchange sends it compressed with error feedback: the new
+  :math:`m_i = β_1 m + (1-β_1) g_i` (:math:`g_i` clipped by its own global norm to
+  ``max_grad_norm`` :math:`\cdot\sqrt N`, below), and the exchange sends it compressed
+  with error feedback: the new
   :math:`m = \frac1N\sum_i D(Q(m_i + e_i))`, :math:`e_i \leftarrow m_i + e_i -
   D(Q(m_i + e_i))`; :math:`v` is not updated;
 * after the warm-up the frozen :math:`v` is floored per leaf where it divides
@@ -48,6 +49,7 @@ with ``max_grad_norm`` the compressed phase holds all gradients of a worker at o
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -56,6 +58,7 @@ import optax
 
 from resireduce_jax import nonfinite
 from resireduce_jax.compressors import schedule
+from resireduce_jax.compressors.base import axis_size
 from resireduce_jax.compressors.dense import NoCompression
 from resireduce_jax.exchange import ExchangePlan, ExchangeState, ExchangeTransformation
 from resireduce_jax.optimizers._common import (
@@ -99,6 +102,10 @@ class CompressedMomentumState(NamedTuple):
     mu: optax.Updates
     nu: optax.Updates
     exchange: ExchangeState
+
+
+def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def _check_exchange(exchange: Any) -> None:
@@ -197,7 +204,9 @@ class _CompressedMomentum:
         # What each worker sends: its gradient while warm (the exchange is dense), then its
         # local momentum from the replicated one.
         if self.max_grad_norm is not None and self.warmup is not None:
-            local = clip_factor(global_norm(updates), self.max_grad_norm)
+            workers = self.exchange._core.worker_axes
+            workers = math.prod(axis_size(a) for a in _axes(workers))
+            local = clip_factor(global_norm(updates), self.max_grad_norm * math.sqrt(workers))
 
         bias2 = 1 - b2**frozen_at
         scaled = self.adam and self.compressed == "update"
@@ -269,7 +278,7 @@ def compressed_momentum_adam(
     mask: MaskOrFn = None,
     max_grad_norm: float | None = None,
     nu_floor: float = 0.01,
-    compressed: str = "momentum",
+    compressed: str = "update",
 ) -> ExchangeTransformation:
     r"""Adam whose momentum is exchanged compressed with error feedback after a dense
     warm-up that fixes the second moment (1-bit Adam, Tang et al., ICML 2021, Alg. 1).
@@ -293,8 +302,14 @@ def compressed_momentum_adam(
       eps: ε added to :math:`\sqrt{\hat v}`.
       weight_decay: λ, decoupled (AdamW), float or schedule.
       mask: which leaves are decayed (as ``optax.adamw``).
-      max_grad_norm: clip by global L2 norm: the mean gradient during the warm-up, each
-        worker's local gradient afterwards (before it enters the momentum).
+      max_grad_norm: clip by global L2 norm: the mean gradient during the warm-up to
+        ``max_grad_norm``; afterwards each worker's local gradient (before it enters the
+        momentum) to ``max_grad_norm`` :math:`\cdot\sqrt N` for :math:`N` workers: where
+        the workers' gradients are independent noise about their mean, the mean of
+        :math:`N` has :math:`1/\sqrt N` of a local gradient's norm, so the local threshold
+        is the mean's (DGC §3.2 divides by :math:`\sqrt N` instead because it sums the
+        workers' gradients; clipping each local gradient at the mean's threshold would
+        shrink most steps).
       nu_floor: after the warm-up, each coordinate is divided by at least
         :math:`\sqrt{\texttt{nu\_floor}\,\bar v}`, :math:`\bar v` its leaf's mean frozen
         :math:`v` (the state keeps :math:`v` as it was). A coordinate that had (almost) no
@@ -305,11 +320,11 @@ def compressed_momentum_adam(
         :math:`v` as it is (Tang et al.). ``density_phase`` (an extra argument of
         ``update``, a Python int): compile one phase of the exchange's schedule; the
         warm-up is then phase 0.
-      compressed: what each worker compresses after the warm-up: ``"momentum"`` (its
-        momentum, Tang et al.), or ``"update"``: its momentum divided by the frozen
-        :math:`\sqrt{\hat v} + ε`, the update's direction, so that the compressor keeps
-        the coordinates that move the weights most and error feedback conserves the
-        update itself (the error is kept in those units).
+      compressed: what each worker compresses after the warm-up: ``"update"`` (default,
+        beyond the paper): its momentum divided by the frozen :math:`\sqrt{\hat v} + ε`,
+        the update's direction, so that the compressor keeps the coordinates that move
+        the weights most and error feedback conserves the update itself (the error is
+        kept in those units); ``"momentum"``: its momentum, as Tang et al.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` (``tx.plan(params)``,
@@ -383,8 +398,9 @@ def compressed_momentum_sgd(
       momentum: β in [0, 1).
       weight_decay: L2 coefficient added to each gradient (``g + λ p``), float or schedule.
       mask: which leaves are decayed (as ``optax.add_decayed_weights``).
-      max_grad_norm: clip by global L2 norm: the mean gradient in a dense phase, each
-        worker's local gradient otherwise.
+      max_grad_norm: clip by global L2 norm: the mean gradient in a dense phase to
+        ``max_grad_norm``, each worker's local gradient otherwise to ``max_grad_norm``
+        :math:`\cdot\sqrt N` (as :func:`compressed_momentum_adam`).
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is a

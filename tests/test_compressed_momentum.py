@@ -55,8 +55,8 @@ def np_compressed_momentum_adam(
             v = {k: (1 - b2) * gbar[k] * gbar[k] + b2 * v[k] for k in SHAPES}
         else:
             local = [{k: x[w] for k, x in g.items()} for w in range(W)]
-            if clip is not None:
-                local = [_clip(x, clip) for x in local]
+            if clip is not None:  # each worker's own norm, at the mean's threshold sqrt(W) c
+                local = [_clip(x, clip * np.sqrt(W)) for x in local]
             new_m = {}
             for k in SHAPES:
                 # "update": the momentum in units of the frozen sqrt(v_hat) + eps.
@@ -145,7 +145,7 @@ def test_error_feedback_conserves_the_momentum_sent_and_kept():
     exchange = rr.error_feedback(
         rr.compressors.topk(rr.compressors.dense_warmup(2, 0.02)), min_size=MIN_SIZE
     )
-    tx = rr.compressed_momentum_adam(1e-2, exchange, **HYPER)
+    tx = rr.compressed_momentum_adam(1e-2, exchange, compressed="momentum", **HYPER)
     _, before = th.run_shard_map(tx, params, grads[:3])
     _, after = th.run_shard_map(tx, params, grads)
     for k in COMPRESSED:
@@ -244,7 +244,10 @@ def test_sgd_variant_matches_numpy_momentum_correction_after_optax_sgd_warmup():
     m = {k: np.asarray(v) for k, v in ref_state[2][0].trace.items()}
     e = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
     for t in range(warmup, len(grads)):
-        local = [_clip({k: grads[t][k][w] + wd * params[k] for k in SHAPES}, 1.0) for w in range(W)]
+        local = [  # each worker's own norm, at the mean's threshold sqrt(W) c
+            _clip({k: grads[t][k][w] + wd * params[k] for k in SHAPES}, np.sqrt(W))
+            for w in range(W)
+        ]
         new_m = {}
         for k in SHAPES:
             x = np.stack([local[w][k] + beta * m[k] for w in range(W)])
