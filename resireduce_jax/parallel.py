@@ -339,7 +339,9 @@ class DataParallelStep:
 
     Build it with :func:`data_parallel_step`. Call :meth:`init` once, then call the object.
     Argument order of a call: ``(params, opt_state[, model_state], batch[, rng])``;
-    ``params``, ``opt_state`` and ``model_state`` are donated.
+    ``params``, ``opt_state`` and ``model_state`` are donated. :meth:`compile` compiles the
+    step ahead of the first call (for its memory figures); the calls then run that
+    executable, so the program is compiled once.
     """
 
     loss_fn: Callable[..., Any]
@@ -356,6 +358,7 @@ class DataParallelStep:
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     _step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    _compiled: jax.stages.Compiled | None = dataclasses.field(default=None, repr=False)
 
     @property
     def worker_axes(self) -> AxisName:
@@ -382,17 +385,19 @@ class DataParallelStep:
         if self._init is None:
             specs = self.state_specs
 
-            def body(p):
+            def init_state(p):
                 return stack_per_worker(self.tx.init(p), specs)
 
-            self._init = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=specs))
+            self._init = jax.jit(
+                jax.shard_map(init_state, mesh=self.mesh, in_specs=P(), out_specs=specs)
+            )
         return params, self._init(params)
 
     def _build(self) -> Callable[..., Any]:
         axis, specs = self.worker_axes, self.state_specs
         guarded = _has_guard(specs)
 
-        def body(params, opt_state, model_state, batch, rng):
+        def train_step(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
             local_params = lax.pcast(params, axis, to="varying")
             if rng is not None:
@@ -452,7 +457,7 @@ class DataParallelStep:
 
         batch_spec = P(axis)
         fn = jax.shard_map(
-            body,
+            train_step,
             mesh=self.mesh,
             in_specs=(P(), specs, P(), batch_spec, P()),
             out_specs=(P(), specs, P(), P()),
@@ -462,6 +467,21 @@ class DataParallelStep:
     def lower(self, params, opt_state, *args):
         """``jax.jit(...).lower`` of the step, for HLO and memory inspection."""
         return self._jitted().lower(*self._full_args(params, opt_state, *args))
+
+    def compile(self, params, opt_state, *args) -> jax.stages.Compiled:
+        """Compiles the step for these arguments and runs the executable from then on.
+
+        The arguments are a call's (arrays, or ``jax.ShapeDtypeStruct``s with the
+        shardings the calls will have). The returned executable's ``memory_analysis()``
+        describes the program every later call runs: nothing is compiled again.
+        """
+        self._compiled = self.lower(params, opt_state, *args).compile()
+        return self._compiled
+
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The executable of :meth:`compile`, or ``None`` (calls compile on first use)."""
+        return self._compiled
 
     def _jitted(self):
         if self.state_specs is None:
@@ -487,7 +507,8 @@ class DataParallelStep:
     def __call__(self, params, opt_state, *args):
         """One step. Returns ``(params, opt_state[, model_state], metrics)``."""
         full = self._full_args(params, opt_state, *args)
-        params, opt_state, new_ms, metrics = self._jitted()(*full)
+        run = self._jitted() if self._compiled is None else self._compiled
+        params, opt_state, new_ms, metrics = run(*full)
         if self.with_model_state:
             return params, opt_state, new_ms, metrics
         return params, opt_state, metrics
