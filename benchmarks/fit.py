@@ -186,28 +186,42 @@ TECHNIQUES = ("plain EF", "w+2d", "optimizer R", "rotor", "all")
 
 
 def _progress():
+    import functools
+
     import tqdm
 
-    def progress(items, desc):
-        return tqdm.tqdm(items, desc=desc, leave=False, unit="candidate")
-
-    return progress, tqdm.tqdm.write
+    return functools.partial(tqdm.tqdm, leave=False), tqdm.tqdm.write
 
 
 def plan_model(
-    name: str, fc: FitCase, budgets: list[float], *, timed_fit: bool, save=None
+    name: str,
+    fc: FitCase,
+    budgets: list[float],
+    *,
+    timed_fit: bool,
+    save=None,
+    prune: bool = True,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """The timed planner call, then the largest batch per technique and budget.
 
     ``save(result)`` is called with the partial result after each step (long runs).
+    ``prune=False``: the exhaustive search (no bounds, no predictions); ``threads``:
+    candidates compiled at once (0: the idle cores).
     """
     from resireduce_jax import planner
     from train import memory_plan
 
     progress, log = _progress()
     config = fc.case.load()
-    compiler = memory_plan.StepCompiler(config, seq_len=fc.case.seq_len, log=log)
-    out: dict[str, Any] = {"model": name, "description": fc.case.description}
+    compiler = memory_plan.StepCompiler(config, seq_len=fc.case.seq_len, log=log, prune=prune)
+    threads = planner.compile_threads(threads)
+    out: dict[str, Any] = {
+        "model": name,
+        "description": fc.case.description,
+        "search": "pruned" if prune else "exhaustive",
+        "threads": threads,
+    }
 
     out["fit"] = None
     if timed_fit:  # one planner call at the paper's batch: every candidate, cold cache
@@ -220,6 +234,7 @@ def plan_model(
                 fit_budget,
                 batch_per_worker=fc.case.batch_per_worker,
                 progress=progress,
+                threads=threads,
             )
             out["fit"] = result.as_dict()
             log(result.table())
@@ -234,6 +249,7 @@ def plan_model(
     for value in budgets:
         budget = int(value * fc.unit)
         start = time.perf_counter()
+        compiled_before = compiler.compilations
         found = planner.largest_batch(
             list(named.values()),
             cached,
@@ -241,12 +257,14 @@ def plan_model(
             max_batch=fc.max_batch,
             start=fc.case.batch_per_worker,
             progress=progress,
+            threads=threads,
         )
         best = found.best
         row = {
             "budget": value,
             "budget_bytes": budget,
             "seconds": time.perf_counter() - start,
+            "compilations": compiler.compilations - compiled_before,
             "searches": {label: found.search(c).as_dict() for label, c in named.items()},
             "planner_choice": None if best is None else best.as_dict(),
         }
@@ -385,6 +403,8 @@ def markdown(
                     + ("?" if overhead is None else f"{100 * overhead:.1f}%")
                 )
             tail += f" | {b['seconds']:.0f} s"
+            if "compilations" in b:
+                tail += f", {b['compilations']} compiles"
             lines.append(f"| {b['budget']:g} {unit} | " + " | ".join(cells) + f" | {tail} |")
         fit = r["fit"]
         lines += [""]
@@ -522,6 +542,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--from-json", action="store_true", help="re-render fit.md and fit.png from fit.json"
     )
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="no bounds or predictions: compile every probe"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="candidates compiled at once (0: the idle cores)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
@@ -576,7 +602,17 @@ def main(argv: list[str] | None = None) -> None:
     for name in [] if args.price_only else args.models:
         fc = cases[name]
         budgets = list(args.budgets or fc.budgets)
-        save(plan_model(name, fc, budgets, timed_fit=not args.no_fit, save=save))
+        save(
+            plan_model(
+                name,
+                fc,
+                budgets,
+                timed_fit=not args.no_fit,
+                save=save,
+                prune=not args.exhaustive,
+                threads=args.threads,
+            )
+        )
     if not args.no_price:
         for name in args.models:
             if cases[name].price is not None:

@@ -317,7 +317,7 @@ def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_roo
 
     dump_dir = os.path.join(dump_root, f"{model}_{variant.replace('+', '_')}_{guard_name(guard)}")
     os.makedirs(dump_dir, exist_ok=True)
-    flags = f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*jit_body.*"
+    flags = f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*jit_train_step.*"
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + flags}
     cmd = [sys.executable, __file__, "--models", model, "--_one", variant]
     flag = guard if isinstance(guard, str) else str(int(guard))

@@ -353,6 +353,8 @@ class DataParallelStep:
     would then be queued: it first waits for the oldest queued step to finish (its
     metrics). ``max_steps_in_flight=None`` (default) is :data:`CPU_STEPS_IN_FLIGHT` on the
     CPU backend and unbounded elsewhere.
+    :meth:`compile` compiles a phase's step ahead of its first call (for its memory
+    figures); the calls then run that executable, so the program is compiled once.
     """
 
     loss_fn: Callable[..., Any]
@@ -373,6 +375,9 @@ class DataParallelStep:
         default_factory=dict, repr=False
     )
     _in_flight: collections.deque = dataclasses.field(default_factory=collections.deque, repr=False)
+    _compiled: dict[int | None, jax.stages.Compiled] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def worker_axes(self) -> AxisName:
@@ -399,10 +404,12 @@ class DataParallelStep:
         if self._init is None:
             specs = self.state_specs
 
-            def body(p):
+            def init_state(p):
                 return stack_per_worker(self.tx.init(p), specs)
 
-            self._init = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=specs))
+            self._init = jax.jit(
+                jax.shard_map(init_state, mesh=self.mesh, in_specs=P(), out_specs=specs)
+            )
         return params, self._init(params)
 
     def _build(self, density_phase: int | None = None) -> Callable[..., Any]:
@@ -411,7 +418,7 @@ class DataParallelStep:
         # A static phase of the exchange's density schedule: one program per phase.
         phase = {} if density_phase is None else {"density_phase": density_phase}
 
-        def body(params, opt_state, model_state, batch, rng):
+        def train_step(params, opt_state, model_state, batch, rng):
             opt_state = unstack_per_worker(opt_state, specs)
             local_params = lax.pcast(params, axis, to="varying")
             if rng is not None:
@@ -473,7 +480,7 @@ class DataParallelStep:
 
         batch_spec = P(axis)
         fn = jax.shard_map(
-            body,
+            train_step,
             mesh=self.mesh,
             in_specs=(P(), specs, P(), batch_spec, P()),
             out_specs=(P(), specs, P(), P()),
@@ -483,6 +490,20 @@ class DataParallelStep:
     def lower(self, params, opt_state, *args, density_phase: int | None = None):
         """``jax.jit(...).lower`` of the step, for HLO and memory inspection."""
         return self._jitted(density_phase).lower(*self._full_args(params, opt_state, *args))
+
+    def compile(
+        self, params, opt_state, *args, density_phase: int | None = None
+    ) -> jax.stages.Compiled:
+        """Compiles the step of ``density_phase`` (see :meth:`__call__`) for these arguments
+        and runs that executable in the phase's calls from then on.
+
+        The arguments are a call's (arrays, or ``jax.ShapeDtypeStruct``s with the
+        shardings the calls will have). The returned executable's ``memory_analysis()``
+        describes the program the phase's calls run: nothing is compiled again.
+        """
+        compiled = self.lower(params, opt_state, *args, density_phase=density_phase).compile()
+        self._compiled[density_phase] = compiled
+        return compiled
 
     def _jitted(self, density_phase: int | None = None):
         if self.state_specs is None:
@@ -525,7 +546,8 @@ class DataParallelStep:
         if limit is not None:
             while len(self._in_flight) >= limit:
                 jax.block_until_ready(self._in_flight.popleft())
-        params, opt_state, new_ms, metrics = self._jitted(density_phase)(*full)
+        run = self._compiled.get(density_phase) or self._jitted(density_phase)
+        params, opt_state, new_ms, metrics = run(*full)
         if limit is not None:
             self._in_flight.append(metrics)
         if self.with_model_state:

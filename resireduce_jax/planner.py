@@ -32,10 +32,13 @@ fusion differ from XLA:GPU's, so compile on the target platform for a GPU budget
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from resireduce_jax import hlo
@@ -43,6 +46,7 @@ from resireduce_jax import hlo
 __all__ = [
     "EXCHANGES",
     "OPTIMIZERS",
+    "PREDICTION_MARGIN",
     "REMATS",
     "BatchSearch",
     "BudgetError",
@@ -53,8 +57,12 @@ __all__ = [
     "DeviceModel",
     "FitResult",
     "LargestBatch",
+    "OnceMap",
+    "PeakBound",
+    "Prediction",
     "Row",
     "candidate_grid",
+    "compile_threads",
     "fit",
     "format_bytes",
     "largest_batch",
@@ -263,6 +271,67 @@ class DeviceModel:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class PeakBound:
+    """A lower bound on a candidate's compiled peak that needs no compilation.
+
+    The compiled peak is ``argument + output - alias + temp`` (``hlo.peak_memory``): every
+    argument counts in full, and the forward pass writes each activation between two
+    stages of a chain into ``temp``. So the bytes of the step's arguments (parameters,
+    optimizer state, residuals, model state, batch) plus the smallest such activation
+    bound the peak from below, from shapes alone.
+
+    Attributes:
+      parts: bytes per device by what they hold, in the order they are reported.
+    """
+
+    parts: Mapping[str, int]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        """``"2.61 MiB = params 700.00 KiB + optimizer state 1.31 MiB + ..."``."""
+        parts = " + ".join(f"{name} {format_bytes(n)}" for name, n in self.parts.items() if n)
+        return f"{format_bytes(self.bytes)} = {parts}"
+
+
+PREDICTION_MARGIN = 0.05
+"""A compilation is skipped when a prediction from compiled programs puts its peak more
+than this fraction over the budget, even at the low end of the prediction (see
+:class:`Prediction`); a batch search takes a batch as fitting when the high end is this
+fraction under it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A compiled peak expected from programs compiled so far, without compiling.
+
+    Attributes:
+      value: the expected peak (bytes).
+      low: the peak is at least this (e.g. the same program at a smaller batch).
+      high: and at most this (``math.inf``: no upper end known).
+      source: what it was predicted from, for the table.
+    """
+
+    value: float
+    low: float
+    high: float
+    source: str = "the programs compiled"
+
+    def over(self, budget: int) -> bool:
+        """Over the budget by more than :data:`PREDICTION_MARGIN`, even at its low end."""
+        return self.low > budget * (1 + PREDICTION_MARGIN)
+
+    def under(self, budget: int) -> bool:
+        """Under the budget by :data:`PREDICTION_MARGIN`, even at its high end."""
+        return self.high * (1 + PREDICTION_MARGIN) <= budget
+
+    def describe(self) -> str:
+        return f"predicted {format_bytes(self.value)} from {self.source}"
+
+
 @runtime_checkable
 class Compiler(Protocol):
     """Compiles candidates; what :func:`fit` and :func:`largest_batch` need.
@@ -271,6 +340,16 @@ class Compiler(Protocol):
     that per-worker batch (for a candidate that is not adaptive, its only one).
     ``fastest_fitting(candidate, batch, budget_bytes)``: its fastest configuration whose
     compiled peak fits the budget, or the leanest when none fits.
+
+    Two optional methods let the searches skip compilations (a compiler without them is
+    searched exhaustively):
+
+    * ``peak_bound(candidate, batch)``: a :class:`PeakBound`, or ``None``: a candidate
+      whose bound exceeds the budget is ruled out without compiling;
+    * ``predicted_peak(candidate, batch)``: a :class:`Prediction` of the leanest
+      configuration's peak from programs compiled so far (e.g. another candidate's at
+      this batch, shifted by the difference of the two), or ``None``; a compilation
+      predicted over the budget (:meth:`Prediction.over`) is skipped.
     """
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled: ...
@@ -296,42 +375,104 @@ def _as_compiled(result: Any) -> Compiled:
     )
 
 
+class OnceMap:
+    """Values computed once per key, also when several threads ask for a key at once.
+
+    ``get(key, compute)`` returns the stored value, waits for a thread already computing
+    it, or computes it (outside the lock: compilations run in parallel).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict[Hashable, Any] = {}
+        self._running: dict[Hashable, concurrent.futures.Future] = {}
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._values:
+                return self._values[key]
+            future = self._running.get(key)
+            owner = future is None
+            if owner:
+                future = self._running[key] = concurrent.futures.Future()
+        if not owner:
+            return future.result()
+        try:
+            value = compute()
+        except BaseException as error:
+            with self._lock:
+                del self._running[key]
+            future.set_exception(error)
+            raise
+        with self._lock:
+            self._values[key] = value
+            del self._running[key]
+        future.set_result(value)
+        return value
+
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """The value if it is computed, else ``default`` (never waits)."""
+        with self._lock:
+            return self._values.get(key, default)
+
+    def items(self) -> list[tuple[Hashable, Any]]:
+        """The computed ``(key, value)`` pairs, in the order they were computed."""
+        with self._lock:
+            return list(self._values.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._values)
+
+
 class CachedCompiler:
     """A :class:`Compiler` that compiles each (candidate, batch) once.
 
     Wraps a ``compile_fn(candidate, batch)`` for candidates that do not adapt to the
     budget, or a :class:`Compiler`. Results are cached by ``(candidate, batch)`` (and the
     budget, for :meth:`fastest_fitting` of adaptive candidates), so several :func:`fit`
-    and :func:`largest_batch` calls on one ``CachedCompiler`` share their compilations.
+    and :func:`largest_batch` calls on one ``CachedCompiler`` share their compilations;
+    threads asking for the same configuration share one compilation. ``peak_bound`` and
+    ``predicted_peak`` are the wrapped compiler's, where it has them.
     """
 
     def __init__(self, compile_fn: CompileFn | Compiler):
         self._inner = compile_fn if isinstance(compile_fn, Compiler) else None
         self._fn = None if self._inner is not None else compile_fn
-        self._leanest: dict[tuple[Candidate, int], Compiled] = {}
-        self._fitting: dict[tuple[Candidate, int, int], Compiled] = {}
+        self._leanest = OnceMap()
+        self._fitting = OnceMap()
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled:
-        key = (candidate, int(batch))
-        if key not in self._leanest:
+        def compute() -> Compiled:
             if self._inner is not None:
-                result = self._inner.leanest(candidate, int(batch))
-            else:
-                self._check_function(candidate)
-                result = self._fn(candidate, int(batch))
-            self._leanest[key] = _as_compiled(result)
-        return self._leanest[key]
+                return _as_compiled(self._inner.leanest(candidate, int(batch)))
+            self._check_function(candidate)
+            return _as_compiled(self._fn(candidate, int(batch)))
+
+        return self._leanest.get((candidate, int(batch)), compute)
 
     def fastest_fitting(self, candidate: Candidate, batch: int, budget_bytes: int) -> Compiled:
         if not candidate.adaptive:
             return self.leanest(candidate, batch)
-        key = (candidate, int(batch), int(budget_bytes))
-        if key not in self._fitting:
-            self._check_function(candidate)
-            self._fitting[key] = _as_compiled(
+        self._check_function(candidate)
+        return self._fitting.get(
+            (candidate, int(batch), int(budget_bytes)),
+            lambda: _as_compiled(
                 self._inner.fastest_fitting(candidate, int(batch), int(budget_bytes))
-            )
-        return self._fitting[key]
+            ),
+        )
+
+    def peak_bound(self, candidate: Candidate, batch: int) -> PeakBound | None:
+        method = getattr(self._inner, "peak_bound", None)
+        return None if method is None else method(candidate, int(batch))
+
+    def predicted_peak(self, candidate: Candidate, batch: int) -> Prediction | None:
+        compiled = self._leanest.peek((candidate, int(batch)))
+        if compiled is not None:
+            peak = compiled.peak_bytes
+            return Prediction(peak, peak, peak, "its compiled program")
+        method = getattr(self._inner, "predicted_peak", None)
+        return None if method is None else method(candidate, int(batch))
 
     def _check_function(self, candidate: Candidate) -> None:
         if self._inner is None and candidate.adaptive:
@@ -354,8 +495,57 @@ def _cached(compile_fn: CompileFn | Compiler | CachedCompiler) -> CachedCompiler
     return compile_fn if isinstance(compile_fn, CachedCompiler) else CachedCompiler(compile_fn)
 
 
-def _progress(items: Iterable[Any], progress: Callable[..., Iterable[Any]] | None, desc: str):
-    return items if progress is None else progress(items, desc=desc)
+def compile_threads(requested: int = 0) -> int:
+    """Threads to compile with: ``requested``, or for 0 the cores no other process uses.
+
+    XLA compiles release the GIL, so candidates compile in parallel on idle cores; on a
+    machine already busy, more threads only share the same cores.
+    """
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(int(cores or 1), round((cores or 1) - busy)))
+
+
+def _run_all(
+    fn: Callable[[Any], Row],
+    items: Sequence[Any],
+    threads: int,
+    bar: Any,
+) -> dict[Any, Any]:
+    """``{item: fn(item)}``, on ``threads`` threads, updating the progress ``bar``."""
+    results: dict[Any, Any] = {}
+    ruled_out = 0
+
+    def done(item: Any, result: Any) -> None:
+        nonlocal ruled_out
+        results[item] = result
+        row = result.row if isinstance(result, BatchSearch) else result
+        ruled_out += bool(row.ruled_out)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"ruled out {ruled_out}" if ruled_out else "")
+
+    if threads <= 1 or len(items) <= 1:
+        for item in items:
+            done(item, fn(item))
+        return results
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(items))) as pool:
+        futures = {pool.submit(fn, item): item for item in items}
+        for future in concurrent.futures.as_completed(futures):
+            done(futures[future], future.result())
+    return results
+
+
+def _bar(progress: Callable[..., Any] | None, total: int, initial: int, desc: str) -> Any:
+    """A ``tqdm``-like bar over ``total`` candidates, ``initial`` of them decided already."""
+    if progress is None:
+        return None
+    bar = progress(total=total, initial=initial, desc=desc, unit="candidate")
+    if initial:
+        bar.set_postfix_str(f"ruled out {initial}")
+    return bar
 
 
 # ------------------------------------------------------------------ fit
@@ -363,13 +553,18 @@ def _progress(items: Iterable[Any], progress: Callable[..., Iterable[Any]] | Non
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One candidate of a table: its compiled figures at a batch, and the verdict."""
+    """One candidate of a table: its compiled figures at a batch, and the verdict.
+
+    ``ruled_out``: empty for a compiled row; else why it was not compiled (its
+    ``compiled.peak_bytes`` is then the bound or the prediction, ``compilations`` 0).
+    """
 
     candidate: Candidate
     batch_per_worker: int
     compiled: Compiled
     fits: bool
     step_seconds: float
+    ruled_out: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -377,25 +572,59 @@ class Row:
             "label": self.candidate.label,
             "batch_per_worker": self.batch_per_worker,
             "fits": self.fits,
-            "step_time_estimate_s": self.step_seconds,
+            "step_time_estimate_s": self.step_seconds if not self.ruled_out else None,
             **self.compiled.as_dict(),
+            "ruled_out": self.ruled_out,
         }
 
 
+def _ruled_out(candidate: Candidate, batch: int, peak: float, reason: str) -> Row:
+    compiled = Compiled(peak_bytes=int(peak), flops_overhead=None, compilations=0)
+    return Row(candidate, batch, compiled, False, math.inf, reason)
+
+
+def _skip_reason(compiler: CachedCompiler, candidate: Candidate, batch: int, budget: int):
+    """``(peak, reason)`` when ``candidate``'s leanest form at ``batch`` need not be
+    compiled to know that it does not fit, else ``None``."""
+    bound = compiler.peak_bound(candidate, batch)
+    if bound is not None and bound.bytes > budget:
+        return bound.bytes, f"needs at least {bound.describe()}"
+    predicted = compiler.predicted_peak(candidate, batch)
+    if predicted is not None and predicted.over(budget):
+        return predicted.value, predicted.describe()
+    return None
+
+
 class BudgetError(ValueError):
-    """No candidate fits the budget. ``smallest`` is the row with the smallest peak."""
+    """No candidate fits the budget. ``smallest`` is the row with the smallest peak
+    (compiled where any was; else the smallest lower bound)."""
 
     def __init__(self, budget_bytes: int, rows: Sequence[Row]):
         self.budget_bytes = budget_bytes
         self.rows = list(rows)
-        self.smallest = min(self.rows, key=lambda r: r.compiled.peak_bytes)
+        compiled = [r for r in self.rows if not r.ruled_out]
+        self.smallest = min(compiled or self.rows, key=lambda r: r.compiled.peak_bytes)
         peak = self.smallest.compiled.peak_bytes
-        super().__init__(
+        head = (
             f"no configuration fits the memory budget of {budget_bytes} bytes "
             f"({format_bytes(budget_bytes)}) at {self.smallest.batch_per_worker} per worker: "
-            f"the smallest compiled peak found is {peak} bytes ({format_bytes(peak)}, "
-            f"{self.smallest.candidate.label}) among {len(self.rows)} candidates; raise the "
-            "budget to at least that or lower the batch per worker."
+        )
+        if compiled:
+            found = (
+                f"the smallest compiled peak found is {peak} bytes ({format_bytes(peak)}, "
+                f"{self.smallest.candidate.label}) among {len(self.rows)} candidates"
+            )
+            if len(compiled) < len(self.rows):
+                found += f" ({len(self.rows) - len(compiled)} ruled out without compiling)"
+        else:
+            found = (
+                f"every one of the {len(self.rows)} candidates needs more for its arguments "
+                f"and one activation: the least, {self.smallest.candidate.label}, "
+                f"{self.smallest.ruled_out} ({peak} bytes; bounded from shapes, nothing "
+                "compiled)"
+            )
+        super().__init__(
+            head + found + "; raise the budget to at least that or lower the batch per worker."
         )
 
 
@@ -442,10 +671,19 @@ def _table(rows: Sequence[Row], title: str, chosen: Row | None = None) -> str:
         c = r.compiled
         overhead = "?" if c.flops_overhead is None else f"{100 * c.flops_overhead:.1f}%"
         mark = "*" if chosen is not None and r is chosen else ""
+        peak = format_bytes(c.peak_bytes)
+        if r.ruled_out:  # a lower bound ("needs at least") or a prediction
+            peak = (">" if r.ruled_out.startswith("needs") else "~") + peak
+            lines.append(
+                f"  {mark:1s} {r.candidate.exchange:<10s} {r.candidate.optimizer:<9s} "
+                f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} {peak:>11s} {'no':>4s}   "
+                f"not compiled: {r.ruled_out.split(' = ')[0]}"
+            )
+            continue
         lines.append(
             f"  {mark:1s} {r.candidate.exchange:<10s} {r.candidate.optimizer:<9s} "
             f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} "
-            f"{format_bytes(c.peak_bytes):>11s} {'yes' if r.fits else 'no':>4s} "
+            f"{peak:>11s} {'yes' if r.fits else 'no':>4s} "
             f"{overhead:>8s} {format_bytes(c.residual_bytes):>11s} "
             f"{_format_seconds(r.step_seconds):>10s} {c.compile_seconds:>7.1f}s"
         )
@@ -461,6 +699,9 @@ def _format_seconds(seconds: float) -> str:
 
 
 def _row(candidate: Candidate, batch: int, compiled: Compiled, budget: int, device) -> Row:
+    reason = compiled.settings.get("ruled_out")
+    if reason:  # the compiler predicted it over the budget instead of compiling it
+        return Row(candidate, batch, compiled, False, math.inf, reason)
     return Row(
         candidate, batch, compiled, compiled.peak_bytes <= budget, device.step_seconds(compiled)
     )
@@ -472,6 +713,18 @@ def _fastest(rows: Iterable[Row]) -> Row | None:
     return min(fitting, key=lambda t: t[:3])[3] if fitting else None
 
 
+def _search_order(compiler: CachedCompiler, batch: int) -> Callable[[Candidate], tuple]:
+    """Candidates that compile one program first, then the adaptive ones (a search over
+    plans, whose monolithic step the first ones predict); each leanest bound first, so
+    that every compilation prices the next ones (:meth:`Compiler.predicted_peak`)."""
+
+    def key(candidate: Candidate) -> tuple:
+        bound = compiler.peak_bound(candidate, batch)
+        return (candidate.adaptive, 0 if bound is None else bound.bytes)
+
+    return key
+
+
 def fit(
     candidates: Sequence[Candidate],
     compile_fn: CompileFn | Compiler,
@@ -479,7 +732,8 @@ def fit(
     *,
     batch_per_worker: int,
     device: DeviceModel | None = None,
-    progress: Callable[..., Iterable[Any]] | None = None,
+    progress: Callable[..., Any] | None = None,
+    threads: int = 1,
 ) -> FitResult:
     """The fastest candidate whose compiled peak fits ``budget``, with the full table.
 
@@ -487,6 +741,11 @@ def fit(
     adaptive candidate (activation checkpointing) is compiled with its fastest
     configuration that fits, or its leanest when none does. The step-time estimate is
     :class:`DeviceModel`'s; ties go to the smaller peak, then to the earlier candidate.
+
+    A compiler with ``peak_bound`` / ``predicted_peak`` (see :class:`Compiler`) rules
+    candidates out before compiling them: one whose lower bound exceeds the budget (when
+    all do, the answer comes without any compilation), and one predicted to exceed it by
+    more than :data:`PREDICTION_MARGIN`. The others compile leanest bound first.
 
     Args:
       candidates: the configurations to consider (e.g. :func:`candidate_grid`).
@@ -496,14 +755,16 @@ def fit(
       budget: per-worker bytes or a size string (:func:`parse_budget`).
       batch_per_worker: the per-worker batch to compile for.
       device: the step-time model (default :class:`DeviceModel`).
-      progress: wraps the loop over candidates (e.g. ``tqdm.tqdm``; called with
-        ``desc=``).
+      progress: a ``tqdm.tqdm``-like bar factory, called with ``total=``, ``initial=``
+        (candidates ruled out by their bounds), ``desc=`` and ``unit=``.
+      threads: candidates compiled at once (see :func:`compile_threads`).
 
     Returns:
       A :class:`FitResult`; ``chosen.compiled.peak_bytes <= budget_bytes``.
 
     Raises:
-      BudgetError: when no candidate fits; the message names the smallest peak found.
+      BudgetError: when no candidate fits; the message names the smallest peak found, or
+        the smallest bound when every candidate was ruled out by its bound.
       ValueError: for an unreadable budget or no candidates.
     """
     budget_bytes = parse_budget(budget)
@@ -511,14 +772,35 @@ def fit(
         raise ValueError("fit() needs at least one candidate.")
     device = device or DeviceModel()
     compiler = _cached(compile_fn)
-    rows = []
-    for candidate in _progress(list(candidates), progress, "planning"):
-        compiled = compiler.fastest_fitting(candidate, batch_per_worker, budget_bytes)
-        rows.append(_row(candidate, batch_per_worker, compiled, budget_bytes, device))
-    chosen = _fastest(rows)
+    batch = batch_per_worker
+    rows: dict[Candidate, Row] = {}
+    for candidate in candidates:
+        bound = compiler.peak_bound(candidate, batch)
+        if bound is not None and bound.bytes > budget_bytes:
+            reason = f"needs at least {bound.describe()}"
+            rows[candidate] = _ruled_out(candidate, batch, bound.bytes, reason)
+    if len(rows) == len(candidates):
+        raise BudgetError(budget_bytes, [rows[c] for c in candidates])
+    pending = sorted((c for c in candidates if c not in rows), key=_search_order(compiler, batch))
+
+    def plan(candidate: Candidate) -> Row:
+        skip = _skip_reason(compiler, candidate, batch, budget_bytes)
+        if skip is not None:
+            return _ruled_out(candidate, batch, *skip)
+        compiled = compiler.fastest_fitting(candidate, batch, budget_bytes)
+        return _row(candidate, batch, compiled, budget_bytes, device)
+
+    bar = _bar(progress, len(candidates), len(rows), "planning")
+    try:
+        rows.update(_run_all(plan, pending, threads, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    table = [rows[c] for c in candidates]
+    chosen = _fastest(table)
     if chosen is None:
-        raise BudgetError(budget_bytes, rows)
-    return FitResult(budget_bytes, batch_per_worker, chosen, rows, device)
+        raise BudgetError(budget_bytes, table)
+    return FitResult(budget_bytes, batch, chosen, table, device)
 
 
 # ------------------------------------------------------------------ largest batch
@@ -533,10 +815,13 @@ class BatchSearch:
       batch: the largest batch that fits (0: not even ``min_batch`` fits).
       row: the candidate at ``batch`` (its fastest fitting configuration), or at
         ``min_batch`` (its leanest) when nothing fits.
-      next_peak: compiled leanest peak at ``batch + 1`` (``None`` if not compiled, e.g.
-        ``batch == max_batch``).
+      next_peak: leanest peak at ``batch + 1``: compiled, or the bound or prediction that
+        ruled it out (``skipped``); ``None`` if not looked at (``batch == max_batch``).
       capped: ``batch == max_batch`` fits: larger batches were not tried.
-      probes: ``(batch, leanest peak)`` of every batch the search looked at.
+      probes: ``(batch, leanest peak)`` of every batch the search compiled.
+      uncompiled: ``(batch, peak, reason)`` of every batch decided without compiling: a
+        lower bound or a prediction over the budget (it does not fit), or a prediction
+        under it by the margin (it fits; ``batch`` itself is always compiled).
     """
 
     candidate: Candidate
@@ -545,6 +830,7 @@ class BatchSearch:
     next_peak: int | None
     capped: bool
     probes: tuple[tuple[int, int], ...]
+    uncompiled: tuple[tuple[int, int, str], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -554,6 +840,7 @@ class BatchSearch:
             "capped": self.capped,
             "next_batch_peak_bytes": self.next_peak,
             "probes": [list(p) for p in self.probes],
+            "uncompiled": [list(p) for p in self.uncompiled],
             "at_largest": self.row.as_dict(),
         }
 
@@ -646,7 +933,8 @@ def largest_batch(
     start: int | None = None,
     search: Literal["interpolate", "bisect"] = "interpolate",
     device: DeviceModel | None = None,
-    progress: Callable[..., Iterable[Any]] | None = None,
+    progress: Callable[..., Any] | None = None,
+    threads: int = 1,
 ) -> LargestBatch:
     """The largest per-worker batch that fits ``budget``, for each candidate.
 
@@ -662,6 +950,14 @@ def largest_batch(
       kept strictly inside the bracket, and every other probe bisects when the bracket
       did not halve. The result is the same; usually 3-5 compilations instead of 2 log2.
 
+    A probe whose lower bound (``peak_bound``) exceeds the budget, or whose peak is
+    predicted (``predicted_peak``) more than :data:`PREDICTION_MARGIN` over it, fails
+    without compiling; one predicted that far under it fits without compiling. The
+    answer is always compiled (its fastest fitting configuration); should it not fit,
+    the candidate is searched again on compiled peaks alone. Candidates are searched in
+    the order of :func:`fit`, so that the later ones are predicted from the earlier
+    ones' programs.
+
     Compilations are cached by ``(candidate, batch)``: pass one :class:`CachedCompiler` to
     several calls (e.g. one per budget) to reuse them, and as the search's starting
     bracket.
@@ -676,7 +972,8 @@ def largest_batch(
         default ``min_batch``): a line through nearby peaks predicts better.
       search: ``"interpolate"`` or ``"bisect"``.
       device: the step-time model.
-      progress: wraps the loop over candidates.
+      progress: a ``tqdm.tqdm``-like bar factory (see :func:`fit`).
+      threads: candidates searched at once.
 
     Returns:
       A :class:`LargestBatch` (``best``: the candidate with the largest batch).
@@ -690,14 +987,22 @@ def largest_batch(
     budget_bytes = parse_budget(budget)
     device = device or DeviceModel()
     compiler = _cached(compile_fn)
-    searches = []
-    for candidate in _progress(list(candidates), progress, "largest batch"):
-        searches.append(
-            _search_batch(
-                compiler, candidate, budget_bytes, min_batch, max_batch, search, device, start
-            )
-        )
-    return LargestBatch(budget_bytes, searches, device)
+    order = sorted(candidates, key=_search_order(compiler, start or min_batch))
+
+    def search_one(candidate: Candidate) -> BatchSearch:
+        args = (compiler, candidate, budget_bytes, min_batch, max_batch, search, device, start)
+        found = _search_batch(*args, trust_predictions=True)
+        if found.batch and not found.row.fits:  # a prediction was wrong: compiled peaks only
+            found = _search_batch(*args, trust_predictions=False)
+        return found
+
+    bar = _bar(progress, len(candidates), 0, "largest batch")
+    try:
+        found = _run_all(search_one, order, threads, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return LargestBatch(budget_bytes, [found[c] for c in candidates], device)
 
 
 def _search_batch(
@@ -709,39 +1014,61 @@ def _search_batch(
     search: str,
     device: DeviceModel,
     start: int | None,
+    *,
+    trust_predictions: bool,
 ) -> BatchSearch:
     probes: list[tuple[int, int]] = []
+    decided: dict[int, tuple[int, str, bool]] = {}  # batch -> (peak, reason, fits)
 
-    def peak(batch: int) -> int:
+    def fits(batch: int) -> bool:
+        if batch in decided:
+            return decided[batch][2]
+        if batch not in compiler.known_peaks(candidate):
+            skip = _skip_reason(compiler, candidate, batch, budget)
+            if skip is not None:
+                decided[batch] = (int(skip[0]), skip[1], False)
+                return False
+            predicted = compiler.predicted_peak(candidate, batch) if trust_predictions else None
+            if predicted is not None and predicted.under(budget):
+                decided[batch] = (int(predicted.value), predicted.describe(), True)
+                return True
         value = compiler.leanest(candidate, batch).peak_bytes
         probes.append((batch, value))
-        return value
+        return value <= budget
+
+    def peaks() -> dict[int, int]:
+        """Compiled peaks and, where a batch was decided without, the bound or prediction."""
+        return {**{b: d[0] for b, d in decided.items()}, **compiler.known_peaks(candidate)}
 
     # The bracket from what is already compiled (e.g. by a call with another budget).
     known = {
         b: p for b, p in compiler.known_peaks(candidate).items() if min_batch <= b <= max_batch
     }
-    fits = sorted(b for b, p in known.items() if p <= budget)
+    fit_batches = sorted(b for b, p in known.items() if p <= budget)
     fails = sorted(b for b, p in known.items() if p > budget)
-    lo = fits[-1] if fits else None
+    lo = fit_batches[-1] if fit_batches else None
     hi = next((b for b in fails if lo is None or b > lo), None)
     if lo is None and hi is None and start is not None and start != min_batch:
-        if peak(start) <= budget:
+        if fits(start):
             lo = start
         else:
             hi = start
     if lo is None:
-        if hi == min_batch or peak(min_batch) > budget:
-            compiled = compiler.leanest(candidate, min_batch)
-            row = _row(candidate, min_batch, compiled, budget, device)
-            return BatchSearch(candidate, 0, row, None, False, tuple(probes))
+        if hi == min_batch or not fits(min_batch):
+            if min_batch in decided:
+                peak, reason, _ = decided[min_batch]
+                row = _ruled_out(candidate, min_batch, peak, reason)
+            else:
+                compiled = compiler.leanest(candidate, min_batch)
+                row = _row(candidate, min_batch, compiled, budget, device)
+            return BatchSearch(candidate, 0, row, None, False, tuple(probes), _listed(decided))
         lo = min_batch
     halvings_missed = 0
     while lo < max_batch and (hi is None or hi - lo > 1):
         width = (max_batch + 1 - lo) if hi is None else hi - lo
         bisect = search == "bisect" or halvings_missed > 0
-        batch = _next_probe(compiler.known_peaks(candidate), lo, hi, budget, max_batch, bisect)
-        if peak(batch) <= budget:
+        batch = _next_probe(peaks(), lo, hi, budget, max_batch, bisect)
+        if fits(batch):
             lo = batch
         else:
             hi = batch
@@ -749,5 +1076,11 @@ def _search_batch(
         halvings_missed = halvings_missed + 1 if 2 * new_width > width and hi is not None else 0
     compiled = compiler.fastest_fitting(candidate, lo, budget)
     row = _row(candidate, lo, compiled, budget, device)
-    next_peak = compiler.known_peaks(candidate).get(lo + 1)
-    return BatchSearch(candidate, lo, row, next_peak, lo == max_batch, tuple(probes))
+    next_peak = peaks().get(lo + 1)
+    return BatchSearch(
+        candidate, lo, row, next_peak, lo == max_batch, tuple(probes), _listed(decided)
+    )
+
+
+def _listed(decided: Mapping[int, tuple[int, str, bool]]) -> tuple[tuple[int, int, str], ...]:
+    return tuple((b, p, reason) for b, (p, reason, _) in sorted(decided.items()))

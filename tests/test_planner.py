@@ -332,3 +332,217 @@ def test_interpolation_grows_the_batch_at_most_fourfold_before_a_batch_fails():
     assert 6 < probe <= 4 * 6
     steep = {2: 1_000, 4: 2_000}  # affine: the line's prediction is kept when it is near
     assert planner._next_probe(steep, 4, None, 7_000, 512, bisect=False) == 14
+
+
+# ------------------------------------------------------------------ pruning and threads
+
+
+def test_once_map_computes_each_key_once_when_threads_ask_together():
+    import threading
+    import time
+
+    calls = []
+    values = planner.OnceMap()
+
+    def compute(key):
+        calls.append(key)
+        time.sleep(0.05)  # long enough for every thread to ask while it runs
+        return key * 10
+
+    results = []
+    threads = [
+        threading.Thread(target=lambda k=k: results.append(values.get(k, lambda: compute(k))))
+        for k in (1, 1, 1, 2, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == [1, 2]
+    assert sorted(results) == [10, 10, 10, 20, 20]
+    assert values.peek(3) is None and len(values) == 2
+
+
+def test_fit_on_several_threads_gives_the_serial_answer(peaks):
+    budget = sorted(set(peaks.values()))[len(peaks) // 2]
+    serial = planner.fit(GRID, compile_fn, budget, batch_per_worker=64)
+    parallel = planner.fit(GRID, compile_fn, budget, batch_per_worker=64, threads=3)
+    assert parallel.chosen.candidate == serial.chosen.candidate
+    assert [r.compiled for r in parallel.rows] == [r.compiled for r in serial.rows]
+
+
+class BoundedCompiler:
+    """``compile_fn`` with a lower bound: the parameters, momentum and residuals."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def leanest(self, candidate, batch):
+        self.compiled.append((candidate, batch))
+        return compile_fn(candidate, batch)
+
+    def fastest_fitting(self, candidate, batch, budget_bytes):
+        return self.leanest(candidate, batch)
+
+    def peak_bound(self, candidate, batch):
+        leaf = WIDTH * WIDTH * 4
+        kept = LAYERS if candidate.exchange == "ef" else LAYERS // 2
+        residual = leaf // 2 if candidate.exchange.endswith("+bf16") else leaf
+        return planner.PeakBound(
+            {"params": LAYERS * leaf, "momentum": LAYERS * leaf, "residuals": kept * residual}
+        )
+
+
+def test_a_budget_below_every_bound_is_answered_without_compiling(peaks):
+    compiler = BoundedCompiler()
+    bounds = {c: compiler.peak_bound(c, 64).bytes for c in GRID}
+    assert all(bounds[c] < peaks[c] for c in GRID)  # a lower bound of the compiled peak
+    with pytest.raises(planner.BudgetError) as error:
+        planner.fit(GRID, compiler, min(bounds.values()) - 1, batch_per_worker=64)
+    assert compiler.compiled == []
+    message = str(error.value)
+    assert "\n" not in message and str(min(bounds.values())) in message
+    assert "params 256.00 KiB + momentum 256.00 KiB + residuals 64.00 KiB" in message
+    # A budget between the bounds rules out only the candidates above it.
+    budget = sorted(set(bounds.values()))[1]
+    with pytest.raises(planner.BudgetError) as error:
+        planner.fit(GRID, compiler, budget, batch_per_worker=64)
+    ruled_out = {r.candidate for r in error.value.rows if r.ruled_out}
+    assert ruled_out == {c for c in GRID if bounds[c] > budget} != set()
+    assert {c for c, _ in compiler.compiled} == set(GRID) - ruled_out
+    assert f"({len(ruled_out)} ruled out without compiling)" in str(error.value)
+
+
+# ------------------------------------------------------------------ the program's planner
+
+
+def tiny_gpt():
+    from tests.test_train import load_config
+
+    c = load_config("byte_gpt")
+    c.model.overrides = {"num_layers": 2, "width": 32, "num_heads": 2, "max_len": 16}
+    c.dataset = {"name": "pydoc_text", "context_length": 16}
+    c.num_workers = 4
+    c.batch_size_per_worker = 4
+    c.compression.min_size = 500
+    return c
+
+
+@pytest.fixture(scope="module")
+def gpt_compilers():
+    """The same candidates searched exhaustively and with pruning (caches kept per module)."""
+    from train import memory_plan
+
+    def make(prune):
+        return memory_plan.StepCompiler(
+            tiny_gpt(), seq_len=16, exchanges=("ef", "w+2d+bf16"), prune=prune
+        )
+
+    return make(False), make(True)
+
+
+def _same_program(a: Compiled, b: Compiled) -> bool:
+    return (a.peak_bytes, a.flops, a.bytes_accessed, a.settings.get("remat_plan")) == (
+        b.peak_bytes,
+        b.flops,
+        b.bytes_accessed,
+        b.settings.get("remat_plan"),
+    )
+
+
+def test_the_pruned_fit_chooses_what_the_exhaustive_fit_chooses(gpt_compilers):
+    exhaustive, pruned = gpt_compilers
+    candidates = exhaustive.candidates()
+    assert len(candidates) == 8
+    plain = exhaustive.leanest(Candidate("ef", "original", "none"), 4).peak_bytes
+    lean = exhaustive.leanest(Candidate("w+2d+bf16", "r", "rotor"), 4).peak_bytes
+    assert lean < plain
+    # Nothing to checkpoint; checkpoints for some candidates; nothing fits.
+    budgets = [plain + 1, lean + (plain - lean) // 4, lean * 9 // 10]
+    ruled_out = 0
+    for budget in budgets:
+        try:
+            want = planner.fit(candidates, exhaustive, budget, batch_per_worker=4)
+        except planner.BudgetError:
+            with pytest.raises(planner.BudgetError):
+                planner.fit(candidates, pruned, budget, batch_per_worker=4)
+            continue
+        got = planner.fit(candidates, pruned, budget, batch_per_worker=4)
+        assert got.chosen.candidate == want.chosen.candidate, budget
+        assert _same_program(got.chosen.compiled, want.chosen.compiled), budget
+        for mine, theirs in zip(got.rows, want.rows, strict=True):
+            if mine.ruled_out:  # never one that the exhaustive search found to fit
+                assert not theirs.fits, (budget, mine.candidate, mine.ruled_out)
+            else:
+                assert mine.fits == theirs.fits, (budget, mine.candidate)
+                if mine.fits:
+                    assert _same_program(mine.compiled, theirs.compiled), (budget, mine)
+                    overhead = theirs.compiled.flops_overhead
+                    assert mine.compiled.flops_overhead == pytest.approx(overhead, abs=0.02)
+        ruled_out += sum(bool(r.ruled_out) for r in got.rows)
+    assert ruled_out and pruned.compilations <= exhaustive.compilations
+
+
+def test_the_pruned_batch_search_finds_the_exhaustive_batches():
+    from tests.test_train import load_config
+    from train import memory_plan
+
+    config = load_config("default")  # the digits MLP: one program per batch
+    config.num_workers = 2
+    exhaustive, pruned = (
+        memory_plan.StepCompiler(config, exchanges=("ef", "w+2d+bf16"), prune=prune)
+        for prune in (False, True)
+    )
+    candidates = [Candidate("ef", "original"), Candidate("ef", "r"), Candidate("w+2d+bf16", "r")]
+    budget = exhaustive.leanest(candidates[0], 40).peak_bytes
+    kwargs = {"max_batch": 64, "start": 16}
+    want = planner.largest_batch(candidates, exhaustive, budget, **kwargs)
+    got = planner.largest_batch(candidates, pruned, budget, **kwargs)
+    for mine, theirs in zip(got.searches, want.searches, strict=True):
+        assert mine.batch == theirs.batch, (mine.candidate, mine.probes, mine.uncompiled)
+        assert _same_program(mine.row.compiled, theirs.row.compiled)
+    assert want.search(candidates[0]).batch == 40
+
+
+def test_the_bound_is_what_the_step_holds_before_computing_and_below_its_peak(gpt_compilers):
+    from train import compiled_step
+
+    _, compiler = gpt_compilers
+    for candidate in compiler.candidates():
+        bound = compiler.peak_bound(candidate, 4)
+        assert bound.bytes <= compiler.leanest(candidate, 4).peak_bytes
+        if candidate.adaptive:
+            continue  # the same arguments as its monolithic step
+        step = compiled_step.compile_step(
+            compiler.config_for(candidate), batch_per_worker=4, seq_len=16, num_workers=4
+        )
+        memory = step.compiled.memory_analysis()
+        arguments = bound.bytes - bound.parts["smallest activation"]
+        # Left out: the PRNG key and the scalars (counts, the guard's flags).
+        assert 0 <= memory.argument_size_in_bytes - arguments <= 64
+    assert bound.parts["smallest activation"] == 4 * 16 * 32 * 4  # a block's output
+
+
+def test_analysis_compiles_have_the_optimized_programs_figures():
+    from train import compiled_step
+
+    abstract = compiled_step.abstract_step(tiny_gpt(), seq_len=16)
+    fast, optimized = abstract.compile(), abstract.compile(compiler_options=None)
+    assert hlo.peak_memory(fast.compiled) == hlo.peak_memory(optimized.compiled)
+    costs = fast.compiled.cost_analysis(), optimized.compiled.cost_analysis()
+    for key in ("flops", "bytes accessed"):
+        assert costs[0][key] == costs[1][key]
+
+
+def test_an_impossible_budget_is_one_line_from_shapes(tmp_path):
+    result = run_cli(
+        "--config=configs/byte_gpt.py",
+        f"--workdir={tmp_path / 'plan'}",
+        "--config.memory.budget=1MiB",
+        "--plan_only",
+        timeout=300,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: memory.budget='1MiB'"), lines
+    assert "params" in lines[0] and "optimizer state" in lines[0] and "nothing compiled" in lines[0]

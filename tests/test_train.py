@@ -332,7 +332,7 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
 
 
 def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(tmp_path, capsys):
-    config = small_digits(**{"compression.variant": "w+2d"})
+    config = small_digits(**{"compression.variant": "w+2d", "memory.compare_baselines": True})
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     out = capsys.readouterr().out
     assert "Compiled train step per worker" in out and "skip_nonfinite on" in out
@@ -344,3 +344,33 @@ def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(
     assert 0 < rows["w+2d"]["residuals"] < rows["ef"]["residuals"]
     # The residual saving reaches the peak of the step the program runs.
     assert rows["w+2d"]["peak"] < rows["ef"]["peak"]
+
+
+def test_a_run_compiles_its_step_once_and_a_resumed_run_loads_it(tmp_path, capsys):
+    """The memory report reads the executable the loop runs; JAX's persistent cache under
+    the workdir gives a resumed run the compiled step without compiling it."""
+    compiles, hits = [], []
+
+    def listen(event, duration, **fields):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(fields.get("fun_name"))
+        if event == "/jax/compilation_cache/compile_time_saved_sec":
+            hits.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    workdir = str(tmp_path / "run")
+    try:
+        first = train.train_and_evaluate(small_digits(num_steps=1), workdir)
+        assert compiles.count("jit(train_step)") == 1
+        (row,) = first.memory["compiled_peak"]["rows"]  # the trained step alone
+        assert row["variant"] == "w+2d" and row["peak"] > row["argument"] > 0
+        assert os.listdir(os.path.join(workdir, "compilation_cache"))
+        compiles.clear()
+        resumed = train.train_and_evaluate(small_digits(num_steps=2), workdir)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert resumed.step == 2 and "Resumed from checkpoint at step 1" in capsys.readouterr().out
+    assert compiles.count("jit(train_step)") == 1 and hits  # loaded, not compiled
+    (again,) = resumed.memory["compiled_peak"]["rows"]
+    same = lambda r: {k: v for k, v in r.items() if k != "compile_seconds"}
+    assert same(again) == same(row)

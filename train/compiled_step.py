@@ -21,6 +21,7 @@ in bfloat16 (``compression.residual_dtype="bfloat16"``), e.g. ``w+2d+bf16``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,10 +38,15 @@ from resireduce_jax import models
 from train import config_schema, factory, tasks
 
 __all__ = [
+    "ANALYSIS_OPTIONS",
     "AXIS",
+    "AbstractStep",
     "CompiledStep",
     "MemoryReport",
+    "StepState",
     "abstract_batch",
+    "abstract_step",
+    "argument_bytes",
     "build_mesh",
     "build_step",
     "build_task",
@@ -47,7 +54,9 @@ __all__ = [
     "compile_step",
     "dataset_kind",
     "memory_report",
+    "report_row",
     "state_bytes",
+    "use_compilation_cache",
     "variant_label",
     "with_variant",
     "worker_axes",
@@ -187,6 +196,66 @@ def abstract_batch(model_config, kind: str, rows: int, seq_len: int = 0) -> dict
     return dict(model_config.example_batch(rows))
 
 
+ANALYSIS_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+"""XLA options of a step compiled only to be measured (the planner, the memory reports).
+
+The level of LLVM's optimization of the generated code: XLA's HLO passes, scheduling and
+buffer assignment are the same, so ``memory_analysis()`` and ``cost_analysis()`` are
+identical to the optimized program's, and the compilation takes about a third less time
+(docs/design.md, "Compiling for analysis"). Never run such a program: its code is slow.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """The optimizer chain and its abstract state: the same for every batch and every
+    checkpointing of one config's model (they depend on the parameters only)."""
+
+    tx: optax.GradientTransformation
+    specs: Any
+    opt_state: Any
+    residual_bytes: int
+
+
+@dataclasses.dataclass
+class AbstractStep:
+    """The program's train step with its arguments as ``jax.ShapeDtypeStruct``s.
+
+    ``args`` are ``(params, opt_state, model_state, batch, rng)`` with the shardings of a
+    run; nothing is allocated. :meth:`compile` compiles the step.
+    """
+
+    step: rr.parallel.DataParallelStep
+    tx: optax.GradientTransformation
+    mesh: Any
+    params: Any  # abstract, unsharded: the layout the state is planned for
+    args: tuple[Any, ...]
+    variant: str
+    residuals: int | None = None  # residual_bytes, when known already
+    density_phase: int | None = None  # the schedule's phase compiled (None: all, switched)
+
+    @property
+    def residual_bytes(self) -> int:
+        """Error-feedback residuals one device keeps (a hierarchical run: its shards)."""
+        if self.residuals is None:
+            self.residuals = state_bytes(self.params, self.tx, self.mesh).residuals
+        return self.residuals
+
+    @property
+    def state(self) -> StepState:
+        """What another step of this config and model reuses (see :func:`abstract_step`)."""
+        return StepState(self.tx, self.step.state_specs, self.args[1], self.residual_bytes)
+
+    def compile(self, compiler_options: dict[str, Any] | None = ANALYSIS_OPTIONS) -> CompiledStep:
+        """Compiles the step (``compiler_options``: :data:`ANALYSIS_OPTIONS` by default)."""
+        start = time.perf_counter()
+        compiled = self.step.lower(*self.args, density_phase=self.density_phase).compile(
+            compiler_options
+        )
+        seconds = time.perf_counter() - start
+        return CompiledStep(compiled, self.params, self.tx, seconds, self.variant, self.mesh)
+
+
 @dataclasses.dataclass
 class CompiledStep:
     """A compiled train step, the abstract params it was built for and its chain."""
@@ -207,7 +276,7 @@ def _on(sharding, tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def compile_step(
+def abstract_step(
     config: ml_collections.ConfigDict,
     *,
     variant: str | None = None,
@@ -219,8 +288,9 @@ def compile_step(
     total_steps: int = 1000,
     task: tasks.Task | None = None,
     density_phase: int | str | None = None,
-) -> CompiledStep:
-    """Compiles the donated data-parallel train step of ``config`` with residual ``variant``.
+    state: StepState | None = None,
+) -> AbstractStep:
+    """The donated data-parallel train step of ``config`` with residual ``variant``.
 
     Everything is abstract: parameters, optimizer state, model state and batch are
     ``jax.ShapeDtypeStruct``s with the shardings the training program uses. Defaults come
@@ -229,45 +299,122 @@ def compile_step(
     ``density_phase``: the phase of ``compression.density_schedule`` to compile (the
     training program compiles one step per phase); default the last, the steady state;
     :data:`SWITCH_PHASES`: one program that switches between the phases at run time.
+    ``state``: :attr:`AbstractStep.state` of an earlier call with the same config and
+    model parameters, instead of tracing an update again
+    (:func:`resireduce_jax.parallel.abstract_state`).
     """
-    config = with_variant(config, variant)
-    batch_per_worker = batch_per_worker or config.batch_size_per_worker
-    num_workers = num_workers or config.num_workers
-    task = task or build_task(config)
-    kind = {v: k for k, v in tasks.DATASET_TASK.items()}[task.kind]
+    config, batch_per_worker, num_workers, task = _resolved(
+        config, variant, batch_per_worker, num_workers, task
+    )
     mesh = build_mesh(config, num_workers)
     axes = worker_axes(config)
     replicated = NamedSharding(mesh, P())
+    batch, params, variables = _abstract_inputs(task, num_workers, batch_per_worker, seq_len)
+    residuals = None
+    if state is None:
+        tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
+        specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, axes)
+    else:
+        tx, specs, opt_state, residuals = (
+            state.tx,
+            state.specs,
+            state.opt_state,
+            state.residual_bytes,
+        )
+    step = build_step(task, tx, mesh, config.weight_update_order)
+    step.state_specs = specs
+    args = (
+        _on(replicated, params),
+        opt_state,
+        _on(replicated, variables),
+        _on(NamedSharding(mesh, P(axes)), batch),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    )
+    phases = len(factory.density_phases(config, total_steps))
+    if phases == 1 or density_phase == SWITCH_PHASES:
+        phase = None
+    else:
+        phase = phases - 1 if density_phase is None else density_phase
+    return AbstractStep(step, tx, mesh, params, args, variant_label(config), residuals, phase)
+
+
+def _resolved(config, variant, batch_per_worker, num_workers, task):
+    """The config with ``variant``, and the batch, workers and task it defaults to."""
+    config = with_variant(config, variant)
+    return (
+        config,
+        batch_per_worker or config.batch_size_per_worker,
+        num_workers or config.num_workers,
+        task or build_task(config),
+    )
+
+
+def _abstract_inputs(task: tasks.Task, num_workers: int, batch_per_worker: int, seq_len: int):
+    """The global batch, the params and the other model variables, as shapes."""
+    kind = {v: k for k, v in tasks.DATASET_TASK.items()}[task.kind]
     batch = abstract_batch(task.model_config, kind, num_workers * batch_per_worker, seq_len)
     per_worker = {
         k: jax.ShapeDtypeStruct((batch_per_worker, *v.shape[1:]), v.dtype) for k, v in batch.items()
     }
     variables = dict(jax.eval_shape(task.init, jax.random.PRNGKey(0), per_worker))
     params = variables.pop("params")
+    return batch, params, variables
 
-    tx = build_train_tx(config, steps_per_epoch, total_steps, guard=guard)
-    step = build_step(task, tx, mesh, config.weight_update_order)
-    step.state_specs, opt_state = rr.parallel.abstract_state(tx, params, mesh, axes)
-    sharded_params = _on(replicated, params)
-    model_state = _on(replicated, variables)
-    global_batch = _on(NamedSharding(mesh, P(axes)), batch)
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-    phases = len(factory.density_phases(config, total_steps))
-    if phases == 1 or density_phase == SWITCH_PHASES:
-        phase = None
-    else:
-        phase = phases - 1 if density_phase is None else density_phase
-    start = time.perf_counter()
-    compiled = step.lower(
-        sharded_params, opt_state, model_state, global_batch, rng, density_phase=phase
-    ).compile()
-    seconds = time.perf_counter() - start
-    return CompiledStep(compiled, params, tx, seconds, variant=variant_label(config), mesh=mesh)
+
+def argument_bytes(
+    config: ml_collections.ConfigDict,
+    *,
+    variant: str | None = None,
+    guard: bool = True,
+    batch_per_worker: int | None = None,
+    seq_len: int = 0,
+    num_workers: int | None = None,
+    task: tasks.Task | None = None,
+) -> dict[str, int]:
+    """What one device holds of the step's arguments before it computes anything, by part.
+
+    ``params``, ``optimizer state`` (the exchange's other state included), ``residuals``,
+    ``model state`` and ``batch``. Left out are the scalars (step counts, the guard's
+    flags) and the 8-byte PRNG key: JAX drops an argument the step does not read, and a
+    scalar may be only written. Every other one stays allocated until the step returns,
+    so their sum bounds the compiled peak from below. From shapes alone: nothing is traced
+    beyond the model's and the optimizer's ``init``. Arguments as for
+    :func:`abstract_step`.
+    """
+    config, batch_per_worker, num_workers, task = _resolved(
+        config, variant, batch_per_worker, num_workers, task
+    )
+    batch, params, variables = _abstract_inputs(task, num_workers, batch_per_worker, seq_len)
+    tx = build_train_tx(config, 100.0, 1000, guard=guard)
+    states = state_bytes(params, tx, build_mesh(config, num_workers))
+    tree_bytes = rr.memory.tree_bytes
+    scalars = [x for x in jax.tree.leaves(jax.eval_shape(tx.init, params)) if not x.shape]
+    return {
+        "params": tree_bytes(params),
+        "optimizer state": states.optimizer + states.compressor - tree_bytes(scalars),
+        "residuals": states.residuals,
+        "model state": tree_bytes(variables),
+        "batch": tree_bytes(batch) // num_workers,
+    }
+
+
+def compile_step(
+    config: ml_collections.ConfigDict,
+    *,
+    compiler_options: dict[str, Any] | None = ANALYSIS_OPTIONS,
+    **kwargs: Any,
+) -> CompiledStep:
+    """Compiles :func:`abstract_step` (same arguments) to be measured.
+
+    ``compiler_options``: :data:`ANALYSIS_OPTIONS` by default (the figures of the optimized
+    program, a third less compile time, code not to be run); ``None`` for XLA's defaults.
+    """
+    return abstract_step(config, **kwargs).compile(compiler_options)
 
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Compiled per-worker peaks of the configured variant, plain EF and dense exchange.
+    """Compiled per-worker peaks of the trained step, optionally beside plain EF and dense.
 
     With ``local_devices`` (hierarchical) a worker is one device of a node; ``residuals``
     are then one device's shards.
@@ -286,33 +433,45 @@ class MemoryReport:
         return dataclasses.asdict(self)
 
     def text(self) -> str:
-        ef = self.row("ef")["peak"]
+        ef = next((r["peak"] for r in self.rows if r["variant"] == "ef"), None)
         layout = f"{self.num_workers} workers"
         if self.local_devices:
             nodes = self.num_workers // self.local_devices
             layout += f" as {nodes} nodes x {self.local_devices} devices, hierarchical exchange"
+        header = f"  {'variant':<12s} {'peak MiB':>10s} {'temp MiB':>10s} {'residuals MiB':>14s}"
         lines = [
             f"Compiled train step per worker ({layout}, "
             f"{self.batch_per_worker} per worker, skip_nonfinite {'on' if self.guard else 'off'}"
             "; peak = argument + output - alias + temp):",
-            f"  {'variant':<12s} {'peak MiB':>10s} {'temp MiB':>10s} {'residuals MiB':>14s} "
-            f"{'peak - EF':>10s}",
+            header + ("" if ef is None else f" {'peak - EF':>10s}"),
         ]
         for r in self.rows:
-            lines.append(
+            line = (
                 f"  {r['variant']:<12s} {r['peak'] / MiB:10.1f} {r['temp'] / MiB:10.1f} "
-                f"{r['residuals'] / MiB:14.1f} {(r['peak'] - ef) / MiB:+10.1f}"
+                f"{r['residuals'] / MiB:14.1f}"
             )
+            lines.append(line + ("" if ef is None else f" {(r['peak'] - ef) / MiB:+10.1f}"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.text()
 
 
+def report_row(variant: str, compiled: Any, residuals: int, seconds: float) -> dict[str, Any]:
+    """One :class:`MemoryReport` row: the peak's parts read off a compiled step."""
+    return {
+        "variant": variant,
+        **rr.hlo.peak_memory(compiled).as_dict(),
+        "residuals": residuals,
+        "compile_seconds": seconds,
+    }
+
+
 def memory_report(
     config: ml_collections.ConfigDict,
     batch_per_worker: int | None = None,
     *,
+    variants: tuple[str, ...] | None = None,
     seq_len: int = 0,
     num_workers: int | None = None,
     guard: bool = True,
@@ -320,16 +479,18 @@ def memory_report(
     steps_per_epoch: float = 100.0,
     total_steps: int = 1000,
 ) -> MemoryReport:
-    """The compiled per-worker peak of the configured variant beside ``ef`` and ``dense``.
+    """The compiled per-worker peaks of ``variants`` of the config's step.
 
-    Three abstract compilations of the step the program runs (see :func:`compile_step`);
-    a variant equal to ``ef`` or ``dense`` is compiled once.
+    ``variants``: default the configured one beside ``ef`` and ``dense`` (each distinct
+    variant compiled once, for analysis; see :func:`compile_step`).
     """
     batch_per_worker = batch_per_worker or config.batch_size_per_worker
     num_workers = num_workers or config.num_workers
+    if variants is None:
+        variants = (variant_label(config), "ef", "dense")
     rows = []
-    for variant in dict.fromkeys((variant_label(config), "ef", "dense")):
-        step = compile_step(
+    for variant in dict.fromkeys(variants):
+        abstract = abstract_step(
             config,
             variant=variant,
             guard=guard,
@@ -340,16 +501,28 @@ def memory_report(
             total_steps=total_steps,
             task=task,
         )
-        states = state_bytes(step.params, step.tx, step.mesh)
+        step = abstract.compile()
         rows.append(
-            {
-                "variant": variant,
-                **step.peak.as_dict(),
-                "residuals": states.residuals,
-                "compile_seconds": step.compile_seconds,
-            }
+            report_row(variant, step.compiled, abstract.residual_bytes, step.compile_seconds)
         )
         del step
     return MemoryReport(
         num_workers, batch_per_worker, guard, rows, config_schema.local_devices(config)
     )
+
+
+def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> str | None:
+    """Points JAX's persistent compilation cache at ``config.compilation_cache_dir``.
+
+    Unset: ``WORKDIR/compilation_cache``; ``""``: off. A later run that compiles the same
+    programs (a second ``--plan_only``, a resumed run) loads them from there. Returns the
+    directory, or ``None`` when off.
+    """
+    directory = config.get("compilation_cache_dir")
+    if directory is None:
+        directory = os.path.join(workdir, "compilation_cache")
+    directory = os.path.abspath(directory) if directory else None
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        compilation_cache.reset_cache()  # the cache is bound to its first directory
+    return directory

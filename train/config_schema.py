@@ -142,6 +142,18 @@ def base_config() -> ml_collections.ConfigDict:
     # each residual variant (EF, w+2d, w+2d+bf16), optimizer (optax's, memory-reduced) and
     # remat plan, and trains the fastest whose compiled peak fits.
     c.memory.budget = config_dict.placeholder(str)
+    # Threads compiling the planner's candidates at once (XLA compiles release the GIL);
+    # 0 = the cores no other process is using (os.getloadavg), at least 1.
+    c.memory.compile_threads = 0
+    # The memory report at the start of a run shows the compiled peak of the step it
+    # trains (compiled once, then run); True adds plain error feedback's and the dense
+    # exchange's compiled peaks beside it (two more compilations).
+    c.memory.compare_baselines = False
+
+    # JAX's persistent compilation cache: compiled programs are stored here and a later
+    # run of the same programs (a second --plan_only, a resumed run) loads them instead of
+    # compiling. None = WORKDIR/compilation_cache; "" = off.
+    c.compilation_cache_dir = config_dict.placeholder(str)
 
     c.log_every = 10
     c.eval_every = 100
@@ -360,6 +372,18 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             f"memory.budget={c.memory.budget!r} plans activation checkpointing itself; unset "
             f"remat.budget={c.remat.budget!r} (or memory.budget).",
         )
+    _check(
+        isinstance(c.memory.compile_threads, int)
+        and not isinstance(c.memory.compile_threads, bool)
+        and c.memory.compile_threads >= 0,
+        f"memory.compile_threads must be an integer >= 0 (0 = the idle cores), got "
+        f"{c.memory.compile_threads!r}.",
+    )
+    _check(
+        c.compilation_cache_dir is None or isinstance(c.compilation_cache_dir, str),
+        f"compilation_cache_dir must be a directory, '' (off) or unset (the workdir's), got "
+        f"{c.compilation_cache_dir!r}.",
+    )
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
 
 

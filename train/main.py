@@ -98,7 +98,14 @@ def _define_flags() -> None:
         "plan_only",
         False,
         "With --config.memory.budget=SIZE: print the memory planner's table of compiled "
-        "candidates, write memory_plan.json to the workdir and exit without training.",
+        "candidates, write memory_plan.json to the workdir and exit without training. "
+        "Planning compiles the step of each candidate that a lower bound or a prediction "
+        "from the steps already compiled does not rule out, for analysis (no code "
+        "optimization; threads: --config.memory.compile_threads); a budget below every "
+        "candidate's arguments is answered from shapes, without compiling. Measured costs: "
+        "benchmarks/results/planner_speed.md. A second --plan_only in the same workdir "
+        "loads the compiled steps from WORKDIR/compilation_cache "
+        "(--config.compilation_cache_dir).",
     )
 
 

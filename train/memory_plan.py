@@ -3,7 +3,8 @@
 :mod:`resireduce_jax.planner` chooses among candidates from compiled peaks but does not
 know how to build a train step; :class:`StepCompiler` compiles the program's own step
 (:func:`train.compiled_step.compile_step`: the guarded, donated data-parallel step, from
-abstract shapes, nothing allocated) for each candidate of a config:
+abstract shapes, nothing allocated, compiled for analysis) for each candidate of a
+config:
 
 * exchange: ``ef``, ``w+2d``, ``w+2d+bf16`` (:func:`train.compiled_step.with_variant`),
   for a config with error feedback; a config without residuals keeps its own;
@@ -20,10 +21,15 @@ first: when it fits, nothing is checkpointed. Otherwise the next plan compiled i
 fastest one predicted to fit, from (in order) plans already compiled for another exchange
 or optimizer at this batch, shifted by the difference of the two monolithic steps (the
 gradient is the same), or the line from the model's predicted memory to the compiled step
-peak through the bracket's ends; without a prediction, the leanest plan. The bracket
-(plan that does not fit, plan that fits) shrinks until the two are neighbours, bisecting
-when a prediction did not halve it, or until ``max_plan_compiles`` are spent; the fastest
-fitting plan compiled is returned.
+peak through the bracket's ends, or, with only the failing end compiled, the model's
+memory saving taken byte for byte from it. The bracket (plan that does not fit, plan that
+fits) shrinks until the two are neighbours, bisecting when a prediction did not halve it,
+or until ``max_plan_compiles`` are spent; the fastest fitting plan compiled is returned.
+
+Pruning (``prune=True``, the default) gives the planner a lower bound of every candidate's
+peak from shapes (:meth:`StepCompiler.peak_bound`) and predictions from the steps
+compiled so far (:meth:`StepCompiler.predicted_peak`), and skips the plans predicted more
+than ``planner.PREDICTION_MARGIN`` over the budget (docs/design.md, "Memory planning").
 
 :func:`plan_for_training` runs :func:`resireduce_jax.planner.fit` for ``memory.budget``
 before training, prints the table, writes ``memory_plan.json`` to the workdir, and
@@ -34,10 +40,12 @@ returns the chosen configuration (config and, with checkpointing, the planned mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -105,12 +113,23 @@ class _Chain:
     planner: remat.ChainPlanner
     model: remat_model.SequentialModel
     front: list[remat.Solution]
+    unwrapped_time: float  # the rotor model's FLOPs of the gradient without checkpoints
     unwrapped_memory: int
     seconds: float  # measuring the stages and solving the dynamic program
 
 
+_Key = tuple[str, str, int, Any]  # (exchange, optimizer, batch per worker, plan or None)
+
+
 class StepCompiler:
     """Compiles the training program's step for planner candidates (a ``planner.Compiler``).
+
+    Steps are compiled for analysis (:data:`train.compiled_step.ANALYSIS_OPTIONS`: the
+    optimized program's figures in a third less time) and each (candidate, batch, plan)
+    once, also when several threads ask for it. With ``prune`` the compiler also gives
+    the planner :meth:`peak_bound` and :meth:`predicted_peak`, and the rotor search skips
+    plans predicted to exceed the budget by more than ``planner.PREDICTION_MARGIN``;
+    without it every candidate is compiled (the exhaustive search).
 
     Args:
       config: the run's config (its ``compression``, ``optimizer`` and ``model``).
@@ -122,6 +141,7 @@ class StepCompiler:
       guard: compile with ``skip_nonfinite`` (the program always trains guarded).
       slots: memory slots of the rotor dynamic program.
       log: called with one line per compilation (e.g. ``tqdm.write``); ``None``: silent.
+      prune: rule out and skip compilations from bounds and predictions.
     """
 
     def __init__(
@@ -135,6 +155,7 @@ class StepCompiler:
         guard: bool = True,
         slots: int = 500,
         log: Callable[[str], Any] | None = None,
+        prune: bool = True,
     ):
         self.config = config.copy_and_resolve_references()
         self.num_workers = num_workers or config.num_workers
@@ -143,14 +164,18 @@ class StepCompiler:
         self.guard = guard
         self.slots = slots
         self.log = log
+        self.prune = prune
         self.task = compiled_step.build_task(self.config)
         self.optimizers = optimizer_names(config.optimizer.name)
         own = compiled_step.variant_label(self.config)
         self.exchanges = (own,) if config.compression.variant in _NO_RESIDUALS else tuple(exchanges)
         self.remat_note = _no_chain_reason(self.task.model_config)
         self.chain_model = self.remat_note is None
-        self._steps: dict[tuple, Compiled] = {}
-        self._chains: dict[int, _Chain] = {}
+        self._steps = planner.OnceMap()  # _Key -> Compiled
+        self._chains = planner.OnceMap()  # batch -> _Chain
+        self._states = planner.OnceMap()  # (exchange, optimizer) -> compiled_step.StepState
+        self._arguments = planner.OnceMap()  # (exchange, optimizer, batch) -> bytes by part
+        self._activations = planner.OnceMap()  # batch -> smallest activation between stages
 
     @property
     def compilations(self) -> int:
@@ -160,8 +185,8 @@ class StepCompiler:
     @property
     def compile_seconds(self) -> float:
         """Wall time of those compilations and of measuring the chains for rotor."""
-        steps = sum(c.compile_seconds for c in self._steps.values())
-        return steps + sum(c.seconds for c in self._chains.values())
+        steps = sum(c.compile_seconds for _, c in self._steps.items())
+        return steps + sum(c.seconds for _, c in self._chains.items())
 
     def records(self) -> list[dict[str, Any]]:
         """One row per compiled step: what, batch, checkpoints, peak, compile seconds."""
@@ -195,13 +220,10 @@ class StepCompiler:
             config.remat.budget = ""
         return compiled_step.with_variant(config, candidate.exchange)
 
-    # ------------------------------------------------------------------ compiling
+    # ------------------------------------------------------------------ the chain
 
-    def _chain(self, batch: int) -> _Chain:
-        """The rotor planner of one worker's batch (as ``remat.budget`` plans it)."""
-        if batch in self._chains:
-            return self._chains[batch]
-        start = time.perf_counter()
+    def _chain_inputs(self, batch: int):
+        """The zoo model's chain, its rotor layers and abstract variables and input."""
         model_config = self.task.model_config
         (input_name,) = model_config.input_names
         kind = {v: k for k, v in tasks.DATASET_TASK.items()}[self.task.kind]
@@ -216,24 +238,46 @@ class StepCompiler:
             jax.eval_shape(lambda k, x: model.init(k, x, train=False), jax.random.key(0), x)
         )
         rngs = {name: jax.random.key(i) for i, name in enumerate(model_config.rng_names)}
-        chain_planner = rotor.planner(
-            variables,
-            x,
-            rngs=rngs or None,
-            mutable=list(model_config.mutable_collections) or False,
-            slots=self.slots,
-            train=True,
-        )
-        _, unwrapped = chain_planner.predict(remat.Plan.unwrapped(len(chain.layers)))
-        front, lowest = [], unwrapped
-        for solution in chain_planner.candidates:  # fastest first
-            if solution.plan.num_checkpoints and solution.memory < lowest:
-                front.append(solution)
-                lowest = solution.memory
-        sequential = remat_model.SequentialModel(rotor, input_name, model, chain)
-        seconds = time.perf_counter() - start
-        self._chains[batch] = _Chain(chain_planner, sequential, front, unwrapped, seconds)
-        return self._chains[batch]
+        mutable = list(model_config.mutable_collections) or False
+        return input_name, chain, rotor, model, variables, x, rngs or None, mutable
+
+    def _chain(self, batch: int) -> _Chain:
+        """The rotor planner of one worker's batch (as ``remat.budget`` plans it)."""
+
+        def measure() -> _Chain:
+            start = time.perf_counter()
+            input_name, chain, rotor, model, variables, x, rngs, mutable = self._chain_inputs(batch)
+            chain_planner = rotor.planner(
+                variables, x, rngs=rngs, mutable=mutable, slots=self.slots, train=True
+            )
+            time_unwrapped, unwrapped = chain_planner.predict(
+                remat.Plan.unwrapped(len(chain.layers))
+            )
+            front, lowest = [], unwrapped
+            for solution in chain_planner.candidates:  # fastest first
+                if solution.plan.num_checkpoints and solution.memory < lowest:
+                    front.append(solution)
+                    lowest = solution.memory
+            sequential = remat_model.SequentialModel(rotor, input_name, model, chain)
+            seconds = time.perf_counter() - start
+            return _Chain(chain_planner, sequential, front, time_unwrapped, unwrapped, seconds)
+
+        return self._chains.get(batch, measure)
+
+    def _smallest_activation(self, batch: int) -> int:
+        """Bytes of the smallest activation between two stages of the chain (0 without one).
+
+        The forward pass writes each of them while every argument of the step is live.
+        """
+
+        def smallest() -> int:
+            if not self.chain_model:
+                return 0
+            _, _, rotor, _, variables, x, rngs, mutable = self._chain_inputs(batch)
+            shapes = rotor.activation_shapes(variables, x, rngs=rngs, mutable=mutable, train=True)
+            return min(remat.costs.tree_bytes(h) for h in shapes[1:])
+
+        return self._activations.get(batch, smallest)
 
     def model_for(self, batch: int, plan: remat.Plan) -> remat_model.SequentialModel:
         """The chain model whose gradient follows ``plan`` (planned for ``batch``)."""
@@ -255,57 +299,229 @@ class StepCompiler:
             return self.task
         return dataclasses.replace(self.task, model=self.model_for(row.batch_per_worker, plan))
 
-    def compile(self, candidate: Candidate, batch: int, plan: remat.Plan | None) -> Compiled:
-        """The step of ``candidate``'s exchange and optimizer at ``batch``, under ``plan``.
+    # ------------------------------------------------------------------ compiling
 
-        ``plan=None``: the monolithic model, no checkpointing. Cached.
-        """
-        key = (candidate.exchange, candidate.optimizer, batch, plan)
-        if key in self._steps:
-            return self._steps[key]
+    def _abstract(self, candidate: Candidate, batch: int, plan: remat.Plan | None):
         task = self.task
         if plan is not None:
             task = dataclasses.replace(task, model=self.model_for(batch, plan))
-        start = time.perf_counter()
-        step = compiled_step.compile_step(
+        pair = (candidate.exchange, candidate.optimizer)
+        abstract = compiled_step.abstract_step(
             self.config_for(candidate),
             guard=self.guard,
             batch_per_worker=batch,
             seq_len=self.seq_len,
             num_workers=self.num_workers,
             task=task,
+            state=self._states.peek(pair),
         )
-        # Per device (a hierarchical exchange keeps 1/local_devices of each residual).
-        residuals = compiled_step.state_bytes(step.params, step.tx, step.mesh).residuals
-        seconds = time.perf_counter() - start
-        settings: dict[str, Any] = {"remat_plan": None}
-        if plan is not None:
-            settings = {
-                "remat_plan": plan.compact(),
-                "remat_plan_json": plan.as_json(),
-                "checkpoints": plan.num_checkpoints,
-            }
-        result = Compiled.from_program(
-            step.compiled,
-            residual_bytes=int(residuals),
-            compile_seconds=seconds,
-            settings=settings,
-        )
-        del step
-        self._steps[key] = result
-        if self.log is not None:
-            self.log(
-                f"compiled {candidate.exchange} / {candidate.optimizer} / "
-                f"{'none' if plan is None else f'{plan.num_checkpoints} checkpoints'}, batch "
-                f"{batch}: peak {planner.format_bytes(result.peak_bytes)} in {seconds:.1f} s"
+        self._states.get(pair, lambda: abstract.state)
+        return abstract
+
+    def compile(self, candidate: Candidate, batch: int, plan: remat.Plan | None) -> Compiled:
+        """The step of ``candidate``'s exchange and optimizer at ``batch``, under ``plan``.
+
+        ``plan=None``: the monolithic model, no checkpointing. Cached.
+        """
+
+        def compile_once() -> Compiled:
+            abstract = self._abstract(candidate, batch, plan)
+            step = abstract.compile()
+            settings: dict[str, Any] = {"remat_plan": None}
+            if plan is not None:
+                settings = {
+                    "remat_plan": plan.compact(),
+                    "remat_plan_json": plan.as_json(),
+                    "checkpoints": plan.num_checkpoints,
+                }
+            # Per device (a hierarchical exchange keeps 1/local_devices of each residual).
+            result = Compiled.from_program(
+                step.compiled,
+                residual_bytes=int(abstract.residual_bytes),
+                compile_seconds=step.compile_seconds,
+                settings=settings,
             )
-        return result
+            if self.log is not None:
+                self.log(
+                    f"compiled {candidate.exchange} / {candidate.optimizer} / "
+                    f"{'none' if plan is None else f'{plan.num_checkpoints} checkpoints'}, batch "
+                    f"{batch}: peak {planner.format_bytes(result.peak_bytes)} in "
+                    f"{step.compile_seconds:.1f} s"
+                )
+            return result
+
+        return self._steps.get((candidate.exchange, candidate.optimizer, batch, plan), compile_once)
+
+    # ------------------------------------------------------------------ without compiling
+
+    def argument_bytes(self, candidate: Candidate, batch: int) -> dict[str, int]:
+        """Per-device bytes of the step's arguments by part (no compilation)."""
+        return self._arguments.get(
+            (candidate.exchange, candidate.optimizer, batch),
+            lambda: compiled_step.argument_bytes(
+                self.config_for(candidate),
+                guard=self.guard,
+                batch_per_worker=batch,
+                seq_len=self.seq_len,
+                num_workers=self.num_workers,
+                task=self.task,
+            ),
+        )
+
+    def peak_bound(self, candidate: Candidate, batch: int) -> planner.PeakBound | None:
+        """The step's arguments plus the chain's smallest activation (``None`` unpruned)."""
+        if not self.prune:
+            return None
+        parts = dict(self.argument_bytes(candidate, batch))
+        activation = self._smallest_activation(batch)
+        if activation:
+            parts["smallest activation"] = activation
+        return planner.PeakBound(parts)
+
+    def _leanest_plan(self, candidate: Candidate, batch: int) -> tuple[bool, remat.Plan | None]:
+        """``(known, plan)``: the leanest form's plan, if the chain at ``batch`` is measured."""
+        if not candidate.adaptive:
+            return True, None
+        chain = self._chains.peek(batch)
+        if chain is None:
+            return False, None
+        return True, (chain.front[-1].plan if chain.front else None)
+
+    def predicted_peak(self, candidate: Candidate, batch: int) -> planner.Prediction | None:
+        """The leanest form's peak predicted from the steps compiled so far, or ``None``."""
+        if not self.prune:
+            return None
+        known, plan = self._leanest_plan(candidate, batch)
+        return self._predicted(candidate, batch, plan) if known else None
+
+    def _shift(self, candidate: Candidate, other: tuple[str, str], batch: int, peak: float):
+        """``(shift, uncertainty)``: ``candidate``'s step peak minus ``other``'s for the same
+        model program at ``batch``, where ``other``'s is about ``peak``.
+
+        A chain of differences between exchange-optimizer pairs, the least uncertain one.
+        A difference is measured where two pairs are compiled with a common model program:
+        it holds the exchanges' and optimizers' temporaries, and moves by well under 1 % of
+        the peak from one program to another (by half of it more, from another batch).
+        Else it is the difference of their arguments, uncertain by half of it (a residual
+        variant's peak saving is 0.73-1.33 of its state saving,
+        ``benchmarks/results/peak_memory.md``) and, between two optimizers, by a quarter of
+        the peak (an optax optimizer's state through the guard's select: up to +24.8 %,
+        ``benchmarks/results/guard_cost.md``).
+        """
+        pair = (candidate.exchange, candidate.optimizer)
+        peaks: dict[tuple, dict[tuple, int]] = {}  # (exchange, optimizer) -> (batch, plan) -> peak
+        for (e, o, b, p), compiled in self._steps.items():
+            peaks.setdefault((e, o), {})[(b, p)] = compiled.peak_bytes
+        arguments = {  # they differ by the states alone, whatever the batch
+            q: sum(self.argument_bytes(Candidate(*q), 1).values()) for q in {pair, other, *peaks}
+        }
+
+        def step(p: tuple[str, str], q: tuple[str, str]) -> tuple[float, float]:
+            common = set(peaks.get(p, {})) & set(peaks.get(q, {}))
+            if common:
+                b, plan = min(common, key=lambda bp: bp[0] != batch)
+                shift = peaks[q][(b, plan)] - peaks[p][(b, plan)]
+                return shift, 0.01 * peak + (0 if b == batch else abs(shift) / 2)
+            shift = arguments[q] - arguments[p]
+            fraction = 0.25 if p[1] != q[1] else 0.01
+            return shift, abs(shift) / 2 + fraction * peak
+
+        # Dijkstra over the pairs, the uncertainty as the distance.
+        best = {other: (0.0, 0.0)}
+        done: set[tuple[str, str]] = set()
+        while pair not in done:
+            node = min((q for q in best if q not in done), key=lambda q: best[q][1])
+            done.add(node)
+            for q in arguments:
+                if q in done:
+                    continue
+                shift, uncertainty = step(node, q)
+                total = (best[node][0] + shift, best[node][1] + uncertainty)
+                if q not in best or total[1] < best[q][1]:
+                    best[q] = total
+        return best[pair]
+
+    def _predicted(
+        self, candidate: Candidate, batch: int, plan: remat.Plan | None
+    ) -> planner.Prediction | None:
+        """The step peak of ``(candidate, batch, plan)`` from compiled steps, or ``None``.
+
+        Another exchange or optimizer compiled with the same plan at this batch, shifted
+        (:meth:`_shift`); without checkpointing, also every smaller batch's monolithic step
+        as a low end, since peaks grow with the batch.
+        """
+        pair = (candidate.exchange, candidate.optimizer)
+        lows, points = [], []  # points: (uncertainty, value, high, source)
+        for (exchange, optimizer, b, p), compiled in self._steps.items():
+            if p != plan or b > batch or (b < batch and plan is not None):
+                continue
+            source = f"{exchange} / {optimizer} at batch {b}"
+            if (exchange, optimizer) == pair:
+                if b == batch:
+                    peak = compiled.peak_bytes
+                    return planner.Prediction(peak, peak, peak, "its compiled program")
+                lows.append(compiled.peak_bytes)
+                continue
+            shift, uncertainty = self._shift(
+                candidate, (exchange, optimizer), batch, compiled.peak_bytes
+            )
+            value = compiled.peak_bytes + shift
+            lows.append(value - uncertainty)
+            if b == batch:
+                points.append((uncertainty, value, value + uncertainty, source))
+        if not lows:
+            return None
+        low = max(lows)
+        if not points:
+            return planner.Prediction(low, low, math.inf, "a smaller batch's programs")
+        _, value, high, source = min(points)
+        return planner.Prediction(value, min(low, value), max(high, low), source)
+
+    def _compile_unless_over(
+        self, candidate: Candidate, batch: int, plan: remat.Plan | None, budget: int
+    ) -> Compiled:
+        """The compiled step, or, when pruning predicts it over the budget
+        (``planner.Prediction.over``), that prediction (``settings["ruled_out"]`` says so;
+        nothing compiled)."""
+        key = (candidate.exchange, candidate.optimizer, batch, plan)
+        if self.prune and self._steps.peek(key) is None:
+            predicted = self._predicted(candidate, batch, plan)
+            if predicted is not None and predicted.over(budget):
+                return Compiled(
+                    peak_bytes=int(predicted.value),
+                    flops_overhead=None,
+                    compilations=0,
+                    settings={"ruled_out": predicted.describe()},
+                )
+        return self.compile(candidate, batch, plan)
 
     def _with_overhead(self, candidate: Candidate, batch: int, compiled: Compiled, **fields):
-        base = self._steps.get((candidate.exchange, candidate.optimizer, batch, None))
-        overhead = None
-        if base is not None and base.flops > 0:
-            overhead = compiled.flops / base.flops - 1.0
+        """``compiled`` with its FLOPs over its monolithic step's.
+
+        That step's FLOPs: compiled; else another exchange's or optimizer's monolithic
+        step shifted by the difference of the two programs under this plan (the model's
+        FLOPs are the same); else this program's less the recomputation that the rotor
+        cost model predicts for the plan.
+        """
+        if compiled.settings.get("ruled_out") or compiled.settings.get("remat_plan") is None:
+            return dataclasses.replace(compiled, **fields)
+        chain = self._chain(batch)
+        plan = remat.Plan.from_json(
+            compiled.settings["remat_plan_json"], len(chain.model.chain.layers)
+        )
+        base = self._steps.peek((candidate.exchange, candidate.optimizer, batch, None))
+        base_flops = None if base is None else base.flops
+        if base_flops is None:
+            for (exchange, optimizer, b, p), other in self._steps.items():
+                other_base = self._steps.peek((exchange, optimizer, batch, None))
+                if b == batch and p == plan and other_base is not None:
+                    base_flops = other_base.flops + compiled.flops - other.flops
+                    break
+        if base_flops is None:
+            solution = next((s for s in chain.front if s.plan == plan), None)
+            if solution is not None:
+                base_flops = compiled.flops - (solution.time - chain.unwrapped_time)
+        overhead = None if not base_flops or base_flops <= 0 else compiled.flops / base_flops - 1
         return dataclasses.replace(compiled, flops_overhead=overhead, **fields)
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled:
@@ -323,18 +539,22 @@ class StepCompiler:
         For ``rotor``: no checkpointing if that fits; otherwise the search of the module
         docstring over the chain's plans.
         """
-        none = self.compile(candidate, batch, None)
-        if not candidate.adaptive or none.peak_bytes <= budget_bytes:
+        if not candidate.adaptive:
+            return self.compile(candidate, batch, None)
+        none = self._compile_unless_over(candidate, batch, None, budget_bytes)
+        if none.peak_bytes <= budget_bytes:
             return none
         chain = self._chain(batch)
         front = chain.front
         if not front:
-            return none
+            return self.compile(candidate, batch, None)
         compiled = {-1: none}  # index -1: the monolithic step, which does not fit
 
         def step(i: int) -> Compiled:
             if i not in compiled:
-                compiled[i] = self.compile(candidate, batch, front[i].plan)
+                compiled[i] = self._compile_unless_over(
+                    candidate, batch, front[i].plan, budget_bytes
+                )
             return compiled[i]
 
         def memory(i: int) -> int:
@@ -344,10 +564,12 @@ class StepCompiler:
             """Step peak of plan ``i``: this candidate's, else another's shifted, else a line."""
             if i in compiled:
                 return compiled[i].peak_bytes
-            shifted = self._transferred_peak(candidate, batch, front[i].plan, none.peak_bytes)
-            if shifted is not None:
-                return shifted
-            if hi is None or memory(lo) == memory(hi):
+            predicted = self._predicted(candidate, batch, front[i].plan)
+            if predicted is not None:
+                return predicted.value
+            if hi is None:  # one end compiled: the model's savings, byte for byte
+                return compiled[lo].peak_bytes - (memory(lo) - memory(i))
+            if memory(lo) == memory(hi):
                 return None
             # Compiled step peak ~ linear in the model's predicted memory along the plans.
             peak_lo, peak_hi = compiled[lo].peak_bytes, compiled[hi].peak_bytes
@@ -357,6 +579,9 @@ class StepCompiler:
 
         leanest = len(front) - 1
         lo, hi = -1, None  # lo does not fit; hi fits (None: none known yet)
+        key = (candidate.exchange, candidate.optimizer, batch, front[leanest].plan)
+        if (known := self._steps.peek(key)) is not None and known.peak_bytes <= budget_bytes:
+            compiled[leanest], hi = known, leanest  # e.g. compiled by a batch search
         halved = True
         for _ in range(self.max_plan_compiles + 1):
             top = leanest if hi is None else hi - 1
@@ -389,24 +614,8 @@ class StepCompiler:
             step(hi),
             # Its own compilations: the monolithic step (index -1) is the "none" row's.
             compile_seconds=sum(c.compile_seconds for i, c in compiled.items() if i >= 0),
-            compilations=len(compiled) - 1,
+            compilations=sum(c.compilations for i, c in compiled.items() if i >= 0),
         )
-
-    def _transferred_peak(
-        self, candidate: Candidate, batch: int, plan: remat.Plan, none_peak: int
-    ) -> float | None:
-        """``plan``'s step peak from other candidates at ``batch``: theirs shifted by the
-        difference of the monolithic steps (the gradient is the same; the optimizer state,
-        residuals and exchange differ)."""
-        shifts = [
-            compiled.peak_bytes - base.peak_bytes
-            for (exchange, optimizer, b, p), compiled in self._steps.items()
-            if b == batch
-            and p == plan
-            and (exchange, optimizer) != (candidate.exchange, candidate.optimizer)
-            and (base := self._steps.get((exchange, optimizer, batch, None))) is not None
-        ]
-        return none_peak + sum(shifts) / len(shifts) if shifts else None
 
     def remat_choice(self, row: planner.Row, budget_bytes: int) -> remat.RematChoice:
         """The training report's view of a chosen rotor row (compiles two gradients).
@@ -466,14 +675,10 @@ def _plan(
         raise config_schema.ConfigError(
             "--plan_only needs a budget: pass --config.memory.budget=SIZE (e.g. 12GiB)."
         )
-    progress = None
-    if verbose:
-
-        def progress(items: Iterable[Any], desc: str) -> Iterable[Any]:
-            return tqdm.tqdm(items, desc=desc, unit="candidate", leave=False, disable=None)
-
+    progress = functools.partial(tqdm.tqdm, leave=False, disable=None) if verbose else None
     config_schema.validate(config, known_models=models.MODELS)
     os.makedirs(workdir, exist_ok=True)
+    compiled_step.use_compilation_cache(config, workdir)
     # The batch the run trains on: the dataset's sequence length for text.
     seq_len = int(config.dataset.get("context_length", 0) or 0)
     log = tqdm.tqdm.write if verbose else None
@@ -485,6 +690,7 @@ def _plan(
             config.memory.budget,
             batch_per_worker=config.batch_size_per_worker,
             progress=progress,
+            threads=planner.compile_threads(config.memory.compile_threads),
         )
     except planner.BudgetError as error:
         raise config_schema.ConfigError(

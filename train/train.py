@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -300,7 +301,9 @@ def worker_redistribution(run: Run, abstract_params):
     return redistribute
 
 
-def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
+def _memory_report(
+    run: Run, abstract_params, compiled: jax.stages.Compiled, compile_seconds: float
+) -> tuple[str, dict[str, Any]]:
     local_devices = run.local_devices
     exchange_only = factory.build_tx(
         run.config, run.steps_per_epoch, run.total_steps, local_axis=factory.local_axis(run.config)
@@ -351,17 +354,25 @@ def _memory_report(run: Run, abstract_params) -> tuple[str, dict[str, Any]]:
         "residual_bytes_per_device": per_device,
         "flat_residual_bytes_per_device": flat,
     }
-    # What users gain is the compiled peak of the step they run, not the state bytes:
-    # compile this step (guarded, as trained) beside plain EF's and the dense exchange's.
-    compiled = compiled_step.memory_report(
-        run.config,
-        num_workers=run.mesh.size,
-        task=run.task,
-        steps_per_epoch=run.steps_per_epoch,
-        total_steps=run.total_steps,
+    # What users gain is the compiled peak of the step they run, not the state bytes: the
+    # executable the loop runs (compiled once), optionally beside plain EF's and the dense
+    # exchange's steps (compiled for analysis).
+    variant = compiled_step.variant_label(run.config)
+    rows = [compiled_step.report_row(variant, compiled, per_device, compile_seconds)]
+    if run.config.memory.compare_baselines:
+        rows += compiled_step.memory_report(
+            run.config,
+            variants=tuple(v for v in ("ef", "dense") if v != variant),
+            num_workers=run.mesh.size,
+            task=run.task,
+            steps_per_epoch=run.steps_per_epoch,
+            total_steps=run.total_steps,
+        ).rows
+    report = compiled_step.MemoryReport(
+        run.mesh.size, run.config.batch_size_per_worker, True, rows, local_devices
     )
-    lines += ["", str(compiled)]
-    figures["compiled_peak"] = compiled.as_dict()
+    lines += ["", str(report)]
+    figures["compiled_peak"] = report.as_dict()
     if run.remat_choice is not None:
         choice = run.remat_choice
         lines += ["", "Activation checkpointing (per worker):", choice.summary()]
@@ -486,6 +497,7 @@ def train_and_evaluate(
       of skipped (non-finite) steps, whether SIGTERM stopped the run, and the memory report.
     """
     check_config(config)  # before anything is written to the workdir
+    compiled_step.use_compilation_cache(config, workdir)
     remat = None
     if config.memory.budget is not None:  # the fastest configuration that fits, first
         config, remat = memory_plan.plan_for_training(config, workdir)
@@ -498,9 +510,6 @@ def train_and_evaluate(
 
     # ------------------------------------------------------------ initial state
     state = initial_state(run)
-    report, memory_figures = _memory_report(run, state.abstract_params)
-    if is_main:
-        print(report, flush=True)
     params, opt_state, model_state, step_fn = (
         state.params,
         state.opt_state,
@@ -535,6 +544,32 @@ def train_and_evaluate(
         if is_main:
             print(f"Resumed from checkpoint at step {latest} in {workdir}.", flush=True)
 
+    # The step is compiled once, for the state it starts from: the memory report reads
+    # the executable the loop then runs. With a density schedule, each phase has its own
+    # program (compiled when its first step comes); the report describes the last phase's,
+    # the steady state.
+    phases = factory.density_phases(config, run.total_steps)
+    report_phase = len(phases) - 1 if len(phases) > 1 else None
+    base_key = jax.random.PRNGKey(config.seed + 1)
+    pid, pcount = jax.process_index(), jax.process_count()
+    first_batch = rr.parallel.shard_batch(
+        run.dataset.train_batch(start, run.global_batch, pid, pcount), run.mesh, run.worker_axes
+    )
+    started = time.perf_counter()
+    compiled = step_fn.compile(
+        params,
+        opt_state,
+        model_state,
+        first_batch,
+        jax.random.fold_in(base_key, start),
+        density_phase=report_phase,
+    )
+    report, memory_figures = _memory_report(
+        run, state.abstract_params, compiled, time.perf_counter() - started
+    )
+    if is_main:
+        print(report, flush=True)
+
     def save(step: int, wait: bool = False) -> None:
         state = {"params": params, "opt_state": opt_state, "model_state": model_state}
         checkpointer.save(step, state, step_fn.state_specs, wait=wait)
@@ -545,14 +580,11 @@ def train_and_evaluate(
     analysis = residual_analysis.Recorder.from_config(config.residual_analysis, workdir, is_main)
     stop = _StopFlag()
     stop.install()
-    base_key = jax.random.PRNGKey(config.seed + 1)
-    pid, pcount = jax.process_index(), jax.process_count()
     raise_on_nonfinite = config.compression.nonfinite == "raise"
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     skipped_seen = int(jax.device_get(opt_state.skipped))
     # One compiled step per phase of the density schedule, each run in its steps.
-    phases = factory.density_phases(config, run.total_steps)
     step = start
     preempted = False
     try:

@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from resireduce_jax.remat.costs import chain_shapes
 from resireduce_jax.remat.executor import Loss, apply_plan, sum_of_outputs
 from resireduce_jax.remat.planner import Budget, ChainPlanner, RematChoice
 from resireduce_jax.remat.solver import Plan
@@ -195,6 +196,25 @@ class RotorSequential:
             for collection, value in layer_update.items():
                 updates.setdefault(collection, {})[_layer_name(i)] = value
         return h, updates
+
+    def activation_shapes(
+        self,
+        variables: Mapping[str, Any],
+        x: Any,
+        *,
+        rngs: Any = None,
+        mutable: Mutable = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """The activations between the layers, ``[x, h_1, ..., h_L]``, as
+        ``jax.ShapeDtypeStruct``s (``jax.eval_shape``: nothing is computed; the updates of
+        ``mutable`` collections are left out). Arguments as for :meth:`planner`."""
+        others = {c: _concrete(tree) for c, tree in variables.items() if c != "params"}
+        concrete_vars = {**others, "params": variables.get("params", {})}
+        stages, params = self._chain(concrete_vars, rngs, mutable, kwargs)
+        if mutable is False or mutable == []:
+            return chain_shapes(stages, params, x)
+        return [h for h, _ in chain_shapes(stages, params, (x, ()))]
 
     def planner(
         self,

@@ -1,0 +1,194 @@
+"""What planning and starting a run cost: this checkout against an earlier revision.
+
+Times the training program as a user runs it, in fresh workdirs, on the byte-level GPT
+(``configs/byte_gpt.py``, 8 simulated workers):
+
+* ``1-step run``: ``--config.num_steps=1`` (start-up, the memory report, one step, eval,
+  checkpoint);
+* ``plan 10MiB``: ``--config.memory.budget=10MiB --plan_only`` (the planner's table);
+* ``plan 1MiB``: a budget no candidate fits (one ``error:`` line, exit status 2);
+* ``plan 10MiB again`` (this checkout only): the same ``--plan_only`` in the workdir of
+  an earlier one, whose compiled steps JAX's persistent cache keeps.
+
+The earlier revision is extracted with ``git archive`` and run from its own directory as
+a subprocess. Old and new runs alternate (old, new, new, old per round: ABBA), so that a
+machine whose load drifts treats both alike; wall time and the CPU time of the process
+(user + system) are recorded, and ratios are of medians.
+
+    python benchmarks/planner_speed.py                    # against ef7e595, 1 round
+    python benchmarks/planner_speed.py --rounds 2 --old-rev main
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import ROOT, environment, write_results
+
+CONFIG = "configs/byte_gpt.py"
+COMMANDS = {
+    "1-step run": ["--config.num_steps=1"],
+    "plan 10MiB": ["--config.memory.budget=10MiB", "--plan_only"],
+    "plan 1MiB": ["--config.memory.budget=1MiB", "--plan_only"],
+}
+EXPECTED_STATUS = {"1-step run": 0, "plan 10MiB": 0, "plan 1MiB": 2}
+
+
+def extract(rev: str, directory: str) -> str:
+    """The tree of ``rev`` under ``directory`` (``git archive``); returns the commit."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", directory], input=archive.stdout, check=True)
+    return commit
+
+
+def timed(checkout: str, args: list[str], workdir: str) -> dict[str, Any]:
+    """Runs ``python -m train`` from ``checkout``; wall and CPU seconds, status, stderr."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "train", f"--config={CONFIG}", f"--workdir={workdir}", *args],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    stderr = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    return {"wall_s": wall, "cpu_s": cpu, "status": done.returncode, "errors": stderr}
+
+
+def measure(old: str, new: str, rounds: int, scratch: str) -> dict[str, Any]:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        name: {"old": [], "new": []} for name in COMMANDS
+    }
+    runs["plan 10MiB again"] = {"new": []}
+    for r in range(rounds):
+        for name, args in COMMANDS.items():
+            for side in ("old", "new", "new", "old"):
+                workdir = os.path.join(scratch, f"{name.replace(' ', '_')}_{side}_{r}")
+                shutil.rmtree(workdir, ignore_errors=True)
+                result = timed(old if side == "old" else new, args, workdir)
+                if result["status"] != EXPECTED_STATUS[name]:
+                    raise RuntimeError(f"{side} {name}: exit status {result}")
+                runs[name][side].append(result)
+                print(
+                    f"{name:<18s} {side}: {result['wall_s']:7.1f} s wall, "
+                    f"{result['cpu_s']:7.1f} s CPU",
+                    flush=True,
+                )
+                if name == "plan 10MiB" and side == "new":
+                    again = timed(new, args, workdir)  # the persistent cache's compiles
+                    runs["plan 10MiB again"]["new"].append(again)
+                    print(
+                        f"{'plan 10MiB again':<18s} new: {again['wall_s']:7.1f} s wall, "
+                        f"{again['cpu_s']:7.1f} s CPU",
+                        flush=True,
+                    )
+    return runs
+
+
+def summary(runs: dict[str, Any]) -> dict[str, Any]:
+    med = {
+        name: {
+            side: {k: statistics.median(r[k] for r in results) for k in ("wall_s", "cpu_s")}
+            for side, results in sides.items()
+        }
+        for name, sides in runs.items()
+    }
+    out: dict[str, Any] = {"medians": med}
+    for side in ("old", "new"):
+        base = med["1-step run"][side]
+        out[f"{side}_vs_1_step"] = {
+            name: {k: med[name][side][k] / base[k] for k in ("wall_s", "cpu_s")}
+            for name in med
+            if side in med[name]
+        }
+    out["new_vs_old"] = {
+        name: {k: med[name]["new"][k] / med[name]["old"][k] for k in ("wall_s", "cpu_s")}
+        for name in COMMANDS
+    }
+    return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    s = payload["summary"]
+    med = s["medians"]
+    lines = [
+        "# What planning and starting a run cost",
+        "",
+        f"`python -m train --config {CONFIG}` (byte-level GPT, 3 blocks of width 64, 8 "
+        f"simulated workers, 8 sequences of 64 bytes per worker) in fresh workdirs: "
+        f"revision {payload['old_commit']} (old) against this checkout (new), alternated "
+        f"ABBA, {payload['rounds']} round(s); medians. `python benchmarks/planner_speed.py`.",
+        "",
+        "<!-- prose: about -->",
+        "",
+        "| command | old wall | new wall | new / old | old CPU | new CPU | new / old (CPU) "
+        "| old / 1-step | new / 1-step | old / 1-step (CPU) | new / 1-step (CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in med:
+        m = med[name]
+        old = m.get("old")
+        new = m["new"]
+        ratio = s["new_vs_old"].get(name)
+        old_rel = s["old_vs_1_step"].get(name)
+        new_rel = s["new_vs_1_step"][name]
+        cells = [
+            name,
+            f"{old['wall_s']:.1f} s" if old else "",
+            f"{new['wall_s']:.1f} s",
+            f"{ratio['wall_s']:.2f}" if ratio else "",
+            f"{old['cpu_s']:.1f} s" if old else "",
+            f"{new['cpu_s']:.1f} s",
+            f"{ratio['cpu_s']:.2f}" if ratio else "",
+            f"{old_rel['wall_s']:.2f}×" if old_rel else "",
+            f"{new_rel['wall_s']:.2f}×",
+            f"{old_rel['cpu_s']:.2f}×" if old_rel else "",
+            f"{new_rel['cpu_s']:.2f}×",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old-rev", default="ef7e595", help="the revision to compare with")
+    parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds per command")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="planner_speed_") as scratch:
+        old = os.path.join(scratch, "old")
+        os.makedirs(old)
+        commit = extract(args.old_rev, old)
+        runs = measure(old, str(ROOT), args.rounds, scratch)
+    payload = {
+        **environment(load_average=os.getloadavg()),
+        "old_commit": commit,
+        "rounds": args.rounds,
+        "runs": runs,
+    }
+    payload["summary"] = summary(runs)
+    write_results("planner_speed", payload, markdown(payload), args.out)
+
+
+if __name__ == "__main__":
+    main()
