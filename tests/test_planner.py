@@ -425,7 +425,31 @@ def tiny_gpt():
     c.num_workers = 4
     c.batch_size_per_worker = 4
     c.compression.min_size = 500
+    # AdamW with EF: both optimizer versions (AdamW, AdamW-R) are candidates.
+    c.optimizer.name = "adamw"
+    c.compression.density_schedule.dense_fraction = 0.0
     return c
+
+
+def test_compressed_momentum_adam_is_planned_at_its_compressed_phase():
+    """byte_gpt's own recipe (compressed-momentum Adam after a dense warm-up): every exchange
+    is a candidate with the one optimizer there is, and ResiReduce's stores hold the
+    momentum residual in less memory than EF's."""
+    from train import memory_plan
+
+    config = tiny_gpt()
+    config.optimizer.name = "compressed_momentum_adam"
+    config.compression.density_schedule.dense_fraction = 0.05
+    compiler = memory_plan.StepCompiler(config, seq_len=16, exchanges=("ef", "w+2d"))
+    candidates = compiler.candidates()
+    assert {(c.exchange, c.optimizer) for c in candidates} == {
+        ("ef", "original"),
+        ("w+2d", "original"),
+    }
+    ef = compiler.leanest(Candidate("ef", "original", "none"), 4)
+    reduced = compiler.leanest(Candidate("w+2d", "original", "none"), 4)
+    assert reduced.residual_bytes < ef.residual_bytes
+    assert ef.peak_bytes > ef.residual_bytes > 0
 
 
 @pytest.fixture(scope="module")
