@@ -525,6 +525,8 @@ def markdown(payload: dict[str, Any]) -> str:
             f"{task.unit} | {len(row['seeds'])} | {over} | {delta} | {sent} "
             f"| {_bytes(row['residual_bytes'])} | {ratio} |"
         )
+    if payload.get("notes"):  # written by hand into the JSON, rendered as they are
+        lines += ["", *(f"* {note}" for note in payload["notes"])]
     recipes = payload.get("recipes") or ["base"]
     lines += [
         "",
@@ -644,6 +646,7 @@ def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
         "command": commands[-1],
         "commands": commands,
         "overrides": {**before.get("overrides", {}), **now["overrides"]},
+        "notes": [*before.get("notes", []), *now.get("notes", [])],
         "variants": variants,
         "recipes": recipes,
         "complete": before.get("complete", True) and now["complete"],

@@ -37,6 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, environment, write_results
 
 CONFIG = "configs/byte_gpt.py"
+# AdamW with EF, the config both revisions share (byte_gpt's recipe, compressed-momentum
+# Adam, is not in the earlier one): the planner weighs AdamW against AdamW-R.
+COMMON = ["--config.optimizer.name=adamw"]
 COMMANDS = {
     "1-step run": ["--config.num_steps=1"],
     "plan 10MiB": ["--config.memory.budget=10MiB", "--plan_only"],
@@ -62,7 +65,15 @@ def timed(checkout: str, args: list[str], workdir: str) -> dict[str, Any]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "train", f"--config={CONFIG}", f"--workdir={workdir}", *args],
+        [
+            sys.executable,
+            "-m",
+            "train",
+            f"--config={CONFIG}",
+            f"--workdir={workdir}",
+            *COMMON,
+            *args,
+        ],
         cwd=checkout,
         env=env,
         capture_output=True,
@@ -134,7 +145,8 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# What planning and starting a run cost",
         "",
-        f"`python -m train --config {CONFIG}` (byte-level GPT, 3 blocks of width 64, 8 "
+        f"`python -m train --config {CONFIG} {' '.join(COMMON)}` (byte-level GPT, 3 blocks "
+        f"of width 64, AdamW with error feedback, 8 "
         f"simulated workers, 8 sequences of 64 bytes per worker) in fresh workdirs: "
         f"revision {payload['old_commit']} (old) against this checkout (new), alternated "
         f"ABBA, {payload['rounds']} round(s); medians. `python benchmarks/planner_speed.py`.",
