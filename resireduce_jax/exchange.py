@@ -504,6 +504,7 @@ class _Exchange:
 
         static = schedule.static_phase(self.phases, density_phase)
         phase = schedule.phase_index([p.start for p in self.phases], state.count)
+        zero_stores = self._zero_stores(density_phase)
 
         def send(i: int, x: jax.Array, residual_skip: jax.Array | None) -> jax.Array:
             """Exchanges unit ``i``'s compensated ``x``; returns this worker's residual."""
@@ -542,6 +543,7 @@ class _Exchange:
                 partial_sums,
                 static,
                 phase,
+                zero_stores,
             )
 
         batched = {p.group.label for b in plan.batches for p in b.stores}
@@ -551,6 +553,12 @@ class _Exchange:
             if label in batched:
                 continue
             stored = state.residuals.get(label)
+            if zero_stores and store.kind not in ("none", "leaf"):
+                for i in store.group.members:  # slices of stacks were sent with them
+                    if i in arrays:
+                        send(i, arrays[i], None)
+                new_residuals[label] = stored  # zeros, kept as they are
+                continue
             if store.kind == "none":
                 (i,) = store.group.members
                 send(i, arrays[i], None)
@@ -588,6 +596,26 @@ class _Exchange:
             compressor_state=treedef.unflatten(new_cstates),
         )
         return treedef.unflatten(out), new_state
+
+    def _zero_stores(self, density_phase: int | None) -> bool:
+        """Whether this program is the leading phase of a schedule and that phase is dense.
+
+        Every store starts at zero (``init``) and a dense phase sends all of ``G + R``,
+        leaving a residual of exactly zero; shared and intra-layer stores also keep their
+        residual on a skipped step. So through a leading dense phase (a dense warm-up, the
+        compressed-momentum optimizers' Adam phase) those stores hold zeros, and its
+        program sends the gradients as they are and keeps them: it neither compensates
+        the members nor rebuilds a group's residual, whose leaf-sized temporaries would
+        otherwise set the phase's peak above plain EF's. A leaf's own residual (kind
+        ``"leaf"``) takes ``G + R`` on a skipped step, so it goes the general way.
+        """
+        from resireduce_jax.compressors.dense import NoCompression
+
+        return (
+            density_phase == 0
+            and len(self.phases) > 1
+            and isinstance(self.phases[0].compressor, NoCompression)
+        )
 
     @staticmethod
     def _update_shared(store, stored, arrays, send, partial_sums=()):
@@ -635,6 +663,7 @@ class _Exchange:
         partial_sums: dict[str, list[stores.WeightedSum]],
         static: Compressor | None = None,
         phase: jax.Array | None = None,
+        zero_stores: bool = False,
     ) -> tuple[jax.Array, PyTree]:
         """One step of a layer stack: every slice a layer, all slices at once.
 
@@ -642,20 +671,24 @@ class _Exchange:
         with its store's residual (a batch's slice range, read in place), the compressor
         runs over the slices vectorised (``jax.vmap``: a batched Top-k, one exchange), and
         every batch's residuals are rebuilt from its slice range of the fresh residuals.
-        Returns the stack's mean and compressor state.
+        Returns the stack's mean and compressor state. ``zero_stores``: a leading dense
+        phase (:meth:`_zero_stores`); a stack whose slices keep no residual of their own
+        is then sent as it is and its stores kept.
         """
         stack, shard = stack_plan.stack, stack_plan.shard
         zero = jnp.zeros((), g.dtype)
         if stack_plan.dense:
             return _where_skip(skip, zero, dense_mean(g, self.worker_axes)), cstate
+        as_is = zero_stores and all(plan.kind != "leaf" for plan, _, _ in _ranges(stack_plan))
         x = jnp.moveaxis(g, stack.axis, 0)
         if shard is not None:
             x = jax.vmap(functools.partial(_node_mean_shard, shard))(x)
-        x = _compensate_stack(stack_plan, state.residuals, x)
+        if not as_is:
+            x = _compensate_stack(stack_plan, state.residuals, x)
 
         # What is read of G~ before it is consumed: compensated norms and weights.
         before: dict[int, Any] = {}
-        for n, (plan, start, stop) in enumerate(_ranges(stack_plan)):
+        for n, (plan, start, stop) in enumerate([] if as_is else _ranges(stack_plan)):
             if plan.kind in ("rows", "2d") and plan.norm_source == "compensated":
                 x, before[n] = _map_range(
                     x,
@@ -693,9 +726,13 @@ class _Exchange:
         if shard is not None:
             mean = jax.vmap(functools.partial(_gather_shards, shard))(mean)
         mean = jnp.moveaxis(mean, 0, stack.axis)
-        self._rebuild_stores(
-            stack_plan, reduced.residual, before, state, skip, new_residuals, partial_sums
-        )
+        if as_is:  # zeros, kept as they are (a loose group's are kept with the group)
+            for batch in stack_plan.batches:
+                new_residuals[batch.label] = state.residuals.get(batch.label)
+        else:
+            self._rebuild_stores(
+                stack_plan, reduced.residual, before, state, skip, new_residuals, partial_sums
+            )
         return _where_skip(skip, zero, mean), _where_skip(skip, cstate, reduced.state)
 
     def _rebuild_stores(

@@ -339,3 +339,102 @@ def test_one_program_per_phase_trains_exactly_as_the_switching_program():
         np.testing.assert_allclose(per_phase[k], switched[k], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="density_phase=3"):
         schedule.static_phase(found, 3)
+
+
+def _mlp_task(width: int, rng: np.random.Generator, steps: int):
+    """An input layer and three same-shape hidden layers (a shared group of three), with
+    ``steps`` batches; the input layer is ResiReduce-2d's singleton."""
+    params = {"in": rng.normal(0, 0.1, (32, width)).astype(np.float32)}
+    params |= {f"h{i}": rng.normal(0, 0.1, (width, width)).astype(np.float32) for i in range(3)}
+    batches = [
+        {"x": rng.normal(size=(W * 4, 32)).astype(np.float32),
+         "y": rng.normal(size=(W * 4, width)).astype(np.float32)}
+        for _ in range(steps)
+    ]  # fmt: skip
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["in"])
+        for i in range(3):
+            h = jnp.tanh(h @ p[f"h{i}"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    return params, batches, loss
+
+
+def _w2d(compressor):
+    return rr.resireduce(
+        compressor,
+        min_size=MIN_SIZE,
+        grouping=rr.grouping.regex({r"h\d": "hidden"}),
+        inter="weighted",
+        intra="2d",
+        intra_layers="^in$",
+    )
+
+
+def test_a_leading_dense_phase_keeps_shared_and_2d_stores_at_zero_exactly():
+    """Through a dense warm-up the w+2d stores hold zeros, so the phase's own program sends
+    the gradients uncompensated; it trains as the switching program does (to float32
+    rounding), a skipped (NaN) step in the warm-up included, and leaves the stores zero."""
+    sched = rr.compressors.dense_warmup(3, 0.05)
+    params, batches, loss = _mlp_task(48, np.random.default_rng(3), steps=6)
+    batches[1]["x"][0, 0] = np.nan  # a skipped step inside the dense phase
+    found = schedule.phases(rr.compressors.topk(sched))
+
+    def train(static):
+        tx = rr.skip_nonfinite(optax.chain(_w2d(rr.compressors.topk(sched)), optax.adam(1e-2)))
+        mesh = th.mesh(W)
+        step = rr.parallel.data_parallel_step(loss, tx, mesh)
+        p, s = step.init(jax.tree.map(np.copy, params))
+        residuals = []
+        for t, b in enumerate(batches):
+            # The schedule runs on the exchange's count: a skipped step does not advance it.
+            phase = schedule.phase_at(found, t - int(s.skipped)) if static else None
+            p, s, _ = step(p, s, rr.parallel.shard_batch(b, mesh), density_phase=phase)
+            residuals.append(jax.device_get(s.inner[0].residuals))
+        return jax.device_get(p), residuals, int(s.skipped)
+
+    switched, switched_res, skipped = train(static=False)
+    per_phase, per_phase_res, _ = train(static=True)
+    assert skipped == 1
+    labels = set(per_phase_res[0])
+    assert {"hidden"} <= labels and len(labels) >= 2  # a shared group and the 2-D store
+
+    def values(residual):  # a 2-D store also keeps its rows' and columns' indices
+        return [x for x in jax.tree.leaves(residual) if np.issubdtype(x.dtype, np.floating)]
+
+    for t in range(4):  # the warm-up (3 exchanges and the skip): every store zero
+        for label in labels:
+            assert not any(np.any(x) for x in values(per_phase_res[t][label])), (t, label)
+    for label in labels:  # compressing now: every store holds a residual
+        assert all(np.any(x) for x in values(per_phase_res[-1][label])), label
+    for k in params:
+        np.testing.assert_allclose(per_phase[k], switched[k], rtol=1e-5, atol=1e-7)
+    for label in labels:
+        for a, b in zip(
+            jax.tree.leaves(per_phase_res[-1][label]),
+            jax.tree.leaves(switched_res[-1][label]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_dense_warmup_program_costs_w2d_no_more_than_ef_at_the_compiled_peak():
+    """The warm-up's program neither compensates nor rebuilds the shared and 2-D stores, so
+    w+2d's dense phase peaks no higher than error feedback's dense phase (its residual
+    state is smaller; the stores' leaf-sized temporaries are gone)."""
+    sched = rr.compressors.dense_warmup(3, 0.01)
+    params, batches, loss = _mlp_task(512, np.random.default_rng(4), steps=1)
+    mesh = th.mesh(W)
+
+    def dense_phase_peak(exchange):
+        tx = rr.skip_nonfinite(optax.chain(exchange, optax.adam(1e-3)))
+        step = rr.parallel.data_parallel_step(loss, tx, mesh)
+        p, s = step.init(jax.tree.map(np.copy, params))
+        batch = rr.parallel.shard_batch(batches[0], mesh)
+        return hlo.peak_memory(step.lower(p, s, batch, density_phase=0).compile())
+
+    ef = dense_phase_peak(rr.error_feedback(rr.compressors.topk(sched), min_size=MIN_SIZE))
+    w2d = dense_phase_peak(_w2d(rr.compressors.topk(sched)))
+    assert w2d.argument < ef.argument  # the smaller residual state
+    assert w2d.peak <= ef.peak, (w2d, ef)

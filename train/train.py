@@ -484,6 +484,12 @@ def params_digest(params) -> str:
     return h.hexdigest()
 
 
+def _phase_of(phases: list, count: int) -> int | None:
+    """The density phase of the exchange at ``count`` (``None``: a schedule of one phase,
+    compiled as it is)."""
+    return rr.compressors.schedule.phase_at(phases, count) if len(phases) > 1 else None
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, halt_after_step: int | None = None
 ) -> RunSummary:
@@ -584,7 +590,12 @@ def train_and_evaluate(
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     skipped_seen = int(jax.device_get(opt_state.skipped))
-    # One compiled step per phase of the density schedule, each run in its steps.
+    # One compiled step per phase of the density schedule, each run in its steps. The
+    # schedule runs on the exchange's count, which a skipped step does not advance: the
+    # phase is that of step - skipped, and the skips are read (a sync) only at a step
+    # where they could hold the phase back.
+    skips_known = skipped_seen
+    phase = _phase_of(phases, start - skips_known)
     step = start
     preempted = False
     try:
@@ -595,7 +606,9 @@ def train_and_evaluate(
                 run.worker_axes,
             )
             rng = jax.random.fold_in(base_key, step)
-            phase = rr.compressors.schedule.phase_at(phases, step) if len(phases) > 1 else None
+            if _phase_of(phases, step - skips_known) != phase:
+                skips_known = int(jax.device_get(opt_state.skipped))
+                phase = _phase_of(phases, step - skips_known)
             params, opt_state, model_state, step_metrics = step_fn(
                 params, opt_state, model_state, batch, rng, density_phase=phase
             )
