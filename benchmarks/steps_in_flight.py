@@ -51,7 +51,10 @@ def mlp_loss(params, batch):
 def build(width: int, depth: int, max_steps_in_flight: int | None):
     keys = jax.random.split(jax.random.key(0), depth)
     params = {
-        f"dense_{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / np.sqrt(width)}
+        # Host arrays: every repeat's init places a copy (the step donates its params).
+        f"dense_{i}": {
+            "kernel": np.asarray(jax.random.normal(keys[i], (width, width)) / np.sqrt(width))
+        }
         for i in range(depth)
     }
     tx = optax.chain(rr.error_feedback(compressors.topk(0.01)), optax.adamw(1e-3))
