@@ -10,7 +10,7 @@ loops that block themselves, in one process, repetitions interleaved (ABBA):
 * ``unblocked``: the loop never blocks; the step's own bound (the default) applies;
 * ``blocked``: the loop blocks on every step's metrics;
 * ``every_8``: the loop blocks every 8 steps, the step's bound lifted (what a careful user
-  wrote before the bound existed; it is safe on this model only because it blocks).
+  writes without the bound; it is safe on this model only because it blocks).
 
 Model: 3 dense tanh layers of width 256 (error feedback, top-k 1 %, AdamW), 8 workers x 8
 examples. Writes ``benchmarks/results/steps_in_flight.{json,md}``::

@@ -104,10 +104,6 @@ class CompressedMomentumState(NamedTuple):
     exchange: ExchangeState
 
 
-def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def _check_exchange(exchange: Any) -> None:
     if not isinstance(exchange, ExchangeTransformation) or not hasattr(
         exchange._core, "compressor"
@@ -204,8 +200,7 @@ class _CompressedMomentum:
         # What each worker sends: its gradient while warm (the exchange is dense), then its
         # local momentum from the replicated one.
         if self.max_grad_norm is not None and self.warmup is not None:
-            workers = self.exchange._core.worker_axes
-            workers = math.prod(axis_size(a) for a in _axes(workers))
+            workers = axis_size(self.exchange._core.worker_axes)  # all worker axes
             local = clip_factor(global_norm(updates), self.max_grad_norm * math.sqrt(workers))
 
         bias2 = 1 - b2**frozen_at

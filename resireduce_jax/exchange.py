@@ -80,6 +80,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
     ordered,
 )
+from resireduce_jax.compressors.dense import NoCompression
 from resireduce_jax.tree_paths import validate_float_leaves
 
 PyTree = Any
@@ -609,8 +610,6 @@ class _Exchange:
         otherwise set the phase's peak above plain EF's. A leaf's own residual (kind
         ``"leaf"``) takes ``G + R`` on a skipped step, so it goes the general way.
         """
-        from resireduce_jax.compressors.dense import NoCompression
-
         return (
             density_phase == 0
             and len(self.phases) > 1

@@ -422,7 +422,7 @@ def test_a_leading_dense_phase_keeps_shared_and_2d_stores_at_zero_exactly():
 def test_a_dense_warmup_program_costs_w2d_no_more_than_ef_at_the_compiled_peak():
     """The warm-up's program neither compensates nor rebuilds the shared and 2-D stores:
     on this MLP w+2d's dense phase then peaks no higher than error feedback's (compensating
-    and rebuilding the stores' zeros put it above). On GPT-2 medium width it stays above
+    and rebuilding the stores' zeros would put it above). On GPT-2 medium width it stays above
     (benchmarks/results/density_schedule.md: the gradients are temporaries there, where
     EF's residual buffers take them in place)."""
     sched = rr.compressors.dense_warmup(3, 0.01)

@@ -126,9 +126,9 @@ def test_donated_step_copies_no_parameter_or_state_buffer(model, variant):
     """Goal 3, in every guard mode: no weight, moment or residual is copied. The weights
     are updated in place because each update waits for a gradient that the backward
     pass's last read of the old weight precedes (``rr.read_order``); without that order
-    (``weight_update_order="unordered"``) XLA copies the weights and only them. Before the
-    barriers of ``parallel.unstack_per_worker`` / ``stack_per_worker``, every EF residual
-    was copied."""
+    (``weight_update_order="unordered"``) XLA copies the weights and only them; the
+    barriers of ``parallel.unstack_per_worker`` / ``stack_per_worker`` keep the EF residuals
+    from being copied."""
     for guard in ("none", "loss", "strict"):
         assert not large_copies(compiled_step(model, variant, "sgd", guard)), guard
     unordered = compiled_step(model, variant, "sgd", "none", weight_update_order="unordered")
@@ -141,6 +141,6 @@ def test_adan_r_train_step_copies_no_previous_gradient(model):
     """Adan-R's hand-over of the previous gradient in a donated train step: the new one is
     written into the old one's buffer after the ``n`` update, its other reader, and the
     later states read it from there, so XLA neither copies the old one away nor the new one
-    into place, with or without the guard (it copied both, one leaf each, before)."""
+    into place, with or without the guard."""
     for guard in ("none", "loss", "strict"):
         assert not large_copies(compiled_step(model, "ef", "adan_r", guard)), guard

@@ -178,9 +178,10 @@ def test_invalid_steps_in_flight_is_refused(bad):
 
 
 # A plain loop: a new shard_batch every step, never blocking. On XLA:CPU with 8 simulated
-# devices a 256-wide MLP under AdamW used to abort in an all-gather's rendezvous within its
-# first steps (docs/design.md, "CPU collectives and queued steps"); the step's own bound
-# must let it finish, and the bound must change no value (the blocked loop's params).
+# devices a 256-wide MLP under AdamW aborts in an all-gather's rendezvous within its first
+# steps when nothing bounds the queued steps (docs/design.md, "CPU collectives and queued
+# steps"); the step's own bound must let it finish, and the bound must change no value
+# (the blocked loop's params).
 _UNBLOCKED_LOOP = """
 from resireduce_jax import runtime
 runtime.configure_cpu(8, collective_timeout_s=10)

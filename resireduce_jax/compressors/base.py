@@ -251,8 +251,9 @@ def check_axis_bound(axis_name: str) -> None:
         ) from e
 
 
-def axis_size(axis_name: str) -> int:
-    """Number of workers on ``axis_name`` (a Python int at trace time)."""
+def axis_size(axis_name: str | tuple[str, ...]) -> int:
+    """Number of workers on ``axis_name``, or on all of a tuple of axes (a Python int at
+    trace time)."""
     return lax.axis_size(axis_name)
 
 
