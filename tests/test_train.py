@@ -346,9 +346,36 @@ def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(
     assert rows["w+2d"]["peak"] < rows["ef"]["peak"]
 
 
-def test_a_run_compiles_its_step_once_and_a_resumed_run_loads_it(tmp_path, capsys):
+def test_the_compilation_cache_is_the_configs_then_the_environments_then_the_workdirs(
+    tmp_path, monkeypatch
+):
+    from train import compiled_step
+
+    session = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    workdir, named, shared = (str(tmp_path / d) for d in ("run", "named", "shared"))
+    config = ml_collections.ConfigDict({"compilation_cache_dir": None})
+    try:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared)
+        assert compiled_step.use_compilation_cache(config, workdir) == shared
+        assert jax.config.jax_compilation_cache_dir == shared
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        expected = os.path.join(workdir, "compilation_cache")
+        assert compiled_step.use_compilation_cache(config, workdir) == expected
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared)
+        config.compilation_cache_dir = named
+        assert compiled_step.use_compilation_cache(config, workdir) == named
+        config.compilation_cache_dir = ""
+        assert compiled_step.use_compilation_cache(config, workdir) is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:  # the session's cache again, for the tests after this one
+        config.compilation_cache_dir = session or ""
+        compiled_step.use_compilation_cache(config, workdir)
+
+
+def test_a_run_compiles_its_step_once_and_a_resumed_run_loads_it(tmp_path, capsys, monkeypatch):
     """The memory report reads the executable the loop runs; JAX's persistent cache under
     the workdir gives a resumed run the compiled step without compiling it."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # the test session's shared cache
     compiles, hits = [], []
 
     def listen(event, duration, **fields):

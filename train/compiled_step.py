@@ -514,13 +514,17 @@ def memory_report(
 def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> str | None:
     """Points JAX's persistent compilation cache at ``config.compilation_cache_dir``.
 
-    Unset: ``WORKDIR/compilation_cache``; ``""``: off. A later run that compiles the same
+    Unset: the directory of the environment's ``JAX_COMPILATION_CACHE_DIR`` (JAX's own
+    variable, e.g. one cache for every run on a machine) if it names one, else
+    ``WORKDIR/compilation_cache``; ``""``: off. A later run that compiles the same
     programs (a second ``--plan_only``, a resumed run) loads them from there. Returns the
     directory, or ``None`` when off.
     """
     directory = config.get("compilation_cache_dir")
     if directory is None:
-        directory = os.path.join(workdir, "compilation_cache")
+        directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+            workdir, "compilation_cache"
+        )
     directory = os.path.abspath(directory) if directory else None
     if jax.config.jax_compilation_cache_dir != directory:
         jax.config.update("jax_compilation_cache_dir", directory)

@@ -152,7 +152,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     # JAX's persistent compilation cache: compiled programs are stored here and a later
     # run of the same programs (a second --plan_only, a resumed run) loads them instead of
-    # compiling. None = WORKDIR/compilation_cache; "" = off.
+    # compiling. None = $JAX_COMPILATION_CACHE_DIR if set, else WORKDIR/compilation_cache;
+    # "" = off.
     c.compilation_cache_dir = config_dict.placeholder(str)
 
     c.log_every = 10

@@ -105,7 +105,7 @@ def _define_flags() -> None:
         "candidate's arguments is answered from shapes, without compiling. Measured costs: "
         "benchmarks/results/planner_speed.md. A second --plan_only in the same workdir "
         "loads the compiled steps from WORKDIR/compilation_cache "
-        "(--config.compilation_cache_dir).",
+        "(--config.compilation_cache_dir; $JAX_COMPILATION_CACHE_DIR where set).",
     )
 
 
