@@ -570,3 +570,56 @@ def test_an_impossible_budget_is_one_line_from_shapes(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: memory.budget='1MiB'"), lines
     assert "params" in lines[0] and "optimizer state" in lines[0] and "nothing compiled" in lines[0]
+
+
+# ------------------------------------------------------------------ density phases
+
+
+class PhasedCompiler:
+    """``compile_fn`` for a run of two programs: a warm-up that keeps every residual in
+    float32 (EF's program, the same optimizer) before the candidate's own, the last."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def leanest(self, candidate, batch):
+        self.compiled.append((candidate, batch, "last"))
+        return compile_fn(candidate, batch)
+
+    def fastest_fitting(self, candidate, batch, budget_bytes):
+        compiled = self.leanest(candidate, batch)
+        if compiled.peak_bytes > budget_bytes:
+            return compiled
+        return self.over_phases(candidate, batch, compiled)
+
+    def over_phases(self, candidate, batch, compiled):
+        self.compiled.append((candidate, batch, "warm-up"))
+        warm_up = compile_fn(Candidate("ef", candidate.optimizer), batch)
+        peaks = [("0 warm-up", warm_up.peak_bytes), ("1 last", compiled.peak_bytes)]
+        return compiled.with_phases(peaks, [warm_up])
+
+
+def test_largest_batch_fits_every_phase_and_compiles_warm_ups_only_where_the_last_fits():
+    max_batch = 24
+    candidate = Candidate("w+2d+bf16", "r")
+    warm_up = Candidate("ef", "r")
+    last_peak = {b: compile_fn(candidate, b).peak_bytes for b in range(1, max_batch + 1)}
+    warm_peak = {b: compile_fn(warm_up, b).peak_bytes for b in range(1, max_batch + 1)}
+    # A budget where the last phase alone would allow a larger batch than both phases.
+    budget = (last_peak[16] + warm_peak[16]) // 2
+    by_last = max(b for b, p in last_peak.items() if p <= budget)
+    both = max(b for b in last_peak if max(last_peak[b], warm_peak[b]) <= budget)
+    assert both < by_last
+    compiler = PhasedCompiler()
+    cache = planner.CachedCompiler(compiler)
+    found = planner.largest_batch([candidate], cache, budget, max_batch=max_batch, start=8)
+    search = found.searches[0]
+    assert search.batch == both, search.probes
+    assert search.row.fits and search.row.compiled.peak_bytes <= budget
+    assert search.row.compiled.peak_bytes == max(last_peak[both], warm_peak[both])
+    for _, b, phase in compiler.compiled:
+        if phase == "warm-up":  # only where the last phase fits
+            assert last_peak[b] <= budget, (b, search.probes)
+    # A second budget reuses the compiled phases as its bracket.
+    again = planner.largest_batch([candidate], cache, budget, max_batch=max_batch)
+    assert again.searches[0].batch == both
