@@ -210,6 +210,13 @@ class Compiled:
         compiles several plans).
       settings: how to run this configuration (e.g. the checkpointing plan), for the
         caller; reported as given.
+      peak_phase: for a run with several programs (the phases of a density schedule,
+        one compiled step each), the phase whose compiled peak ``peak_bytes`` is; empty
+        for a run of one program.
+      phase_peaks: ``(phase, compiled peak)`` of every phase compiled for these figures,
+        in the schedule's order: the last phase alone (the steady state, whose figures
+        these are) until the other phases are compiled (:meth:`Compiler.over_phases`),
+        then every phase, ``peak_bytes`` their maximum.
     """
 
     peak_bytes: int
@@ -220,6 +227,8 @@ class Compiled:
     compile_seconds: float = 0.0
     compilations: int = 1
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    peak_phase: str = ""
+    phase_peaks: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_program(cls, compiled: Any, **fields: Any) -> Compiled:
@@ -245,7 +254,33 @@ class Compiled:
             "compile_seconds": self.compile_seconds,
             "compilations": self.compilations,
             "settings": dict(self.settings),
+            "peak_phase": self.peak_phase,
+            "phase_peaks": [list(p) for p in self.phase_peaks],
         }
+
+    def with_phases(
+        self, peaks: Sequence[tuple[str, int]], compiled: Sequence[Compiled]
+    ) -> Compiled:
+        """These figures (the last phase's) with the compiled peaks of every phase, in the
+        schedule's order: ``peak_bytes`` their maximum (a tie goes to the later phase),
+        ``peak_phase`` its phase, and the compile time and count of ``compiled`` (the
+        other phases' programs) added."""
+        if len(peaks) <= 1:
+            return self
+        index = max(range(len(peaks)), key=lambda i: (peaks[i][1], i))
+        return dataclasses.replace(
+            self,
+            peak_bytes=int(peaks[index][1]),
+            peak_phase=peaks[index][0],
+            phase_peaks=tuple((str(name), int(peak)) for name, peak in peaks),
+            compile_seconds=self.compile_seconds + sum(c.compile_seconds for c in compiled),
+            compilations=self.compilations + sum(c.compilations for c in compiled),
+        )
+
+    @property
+    def all_phases(self) -> bool:
+        """Whether ``peak_bytes`` is over every phase (or the run has one program)."""
+        return not self.peak_phase or len(self.phase_peaks) > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +385,19 @@ class Compiler(Protocol):
       configuration's peak from programs compiled so far (e.g. another candidate's at
       this batch, shifted by the difference of the two), or ``None``; a compilation
       predicted over the budget (:meth:`Prediction.over`) is skipped.
+
+    A run whose step is several programs (one per phase of a density schedule: a dense
+    warm-up, then top-k) fits when every phase's compiled peak does. Its compiler returns
+    the figures of the last phase (the steady state) from ``leanest``, and has
+
+    * ``over_phases(candidate, batch, compiled)``: ``compiled`` (figures from ``leanest``
+      or ``fastest_fitting``) with the other phases of the same configuration compiled:
+      :meth:`Compiled.with_phases`. The searches ask for it only when the last phase fits
+      (a configuration whose last phase does not fit needs nothing more); a compiler
+      without it compiles one program per configuration.
+
+    Its ``fastest_fitting`` judges every configuration it tries by the peak over phases,
+    and its bounds and predictions are of the last phase, lower bounds of that maximum.
     """
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled: ...
@@ -434,6 +482,12 @@ class CachedCompiler:
     and :func:`largest_batch` calls on one ``CachedCompiler`` share their compilations;
     threads asking for the same configuration share one compilation. ``peak_bound`` and
     ``predicted_peak`` are the wrapped compiler's, where it has them.
+
+    For a run of several programs (the wrapped compiler's ``over_phases``, see
+    :class:`Compiler`): :meth:`leanest` is the last phase's figures, :meth:`over_phases`
+    the leanest configuration over every phase (cached too), and :meth:`fastest_fitting`
+    compiles the other phases of a configuration whose last phase fits, so that its
+    ``peak_bytes`` is the maximum over the phases wherever it fits.
     """
 
     def __init__(self, compile_fn: CompileFn | Compiler):
@@ -441,6 +495,7 @@ class CachedCompiler:
         self._fn = None if self._inner is not None else compile_fn
         self._leanest = OnceMap()
         self._fitting = OnceMap()
+        self._phases = OnceMap()  # (candidate, batch) -> the leanest over every phase
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled:
         def compute() -> Compiled:
@@ -451,16 +506,43 @@ class CachedCompiler:
 
         return self._leanest.get((candidate, int(batch)), compute)
 
+    def over_phases(self, candidate: Candidate, batch: int) -> Compiled:
+        """The leanest configuration's figures with ``peak_bytes`` over every phase of the
+        run (compiling the phases other than the last; :meth:`leanest` itself for a run of
+        one program)."""
+
+        def compute() -> Compiled:
+            compiled = self.leanest(candidate, batch)
+            method = getattr(self._inner, "over_phases", None)
+            if method is None or compiled.settings.get("ruled_out"):
+                return compiled
+            return _as_compiled(method(candidate, int(batch), compiled))
+
+        return self._phases.get((candidate, int(batch)), compute)
+
     def fastest_fitting(self, candidate: Candidate, batch: int, budget_bytes: int) -> Compiled:
         if not candidate.adaptive:
-            return self.leanest(candidate, batch)
+            compiled = self.leanest(candidate, batch)
+            if compiled.peak_bytes > budget_bytes:  # the last phase alone does not fit
+                return compiled
+            return self.over_phases(candidate, batch)
         self._check_function(candidate)
-        return self._fitting.get(
-            (candidate, int(batch), int(budget_bytes)),
-            lambda: _as_compiled(
+
+        def compute() -> Compiled:
+            compiled = _as_compiled(
                 self._inner.fastest_fitting(candidate, int(batch), int(budget_bytes))
-            ),
-        )
+            )
+            method = getattr(self._inner, "over_phases", None)
+            if (
+                method is None
+                or compiled.all_phases
+                or compiled.peak_bytes > budget_bytes
+                or compiled.settings.get("ruled_out")
+            ):
+                return compiled
+            return _as_compiled(method(candidate, int(batch), compiled))
+
+        return self._fitting.get((candidate, int(batch), int(budget_bytes)), compute)
 
     def peak_bound(self, candidate: Candidate, batch: int) -> PeakBound | None:
         method = getattr(self._inner, "peak_bound", None)
@@ -482,13 +564,18 @@ class CachedCompiler:
             )
 
     def known_peaks(self, candidate: Candidate) -> dict[int, int]:
-        """Compiled leanest peaks of ``candidate`` by batch, so far."""
-        return {b: c.peak_bytes for (k, b), c in self._leanest.items() if k == candidate}
+        """Compiled leanest peaks of ``candidate`` by batch, so far: over every phase
+        where :meth:`over_phases` compiled them, else the last phase's."""
+        peaks = {b: c.peak_bytes for (k, b), c in self._leanest.items() if k == candidate}
+        peaks.update({b: c.peak_bytes for (k, b), c in self._phases.items() if k == candidate})
+        return peaks
 
     @property
     def compilations(self) -> int:
-        """Distinct configurations looked up so far (cached results counted once)."""
-        return len(self._leanest) + len(self._fitting)
+        """Distinct configurations looked up so far (cached results counted once), and
+        the other phases compiled for :meth:`over_phases`."""
+        phases = sum(max(0, len(c.phase_peaks) - 1) for _, c in self._phases.items())
+        return len(self._leanest) + len(self._fitting) + phases
 
 
 def _cached(compile_fn: CompileFn | Compiler | CachedCompiler) -> CachedCompiler:
@@ -610,9 +697,12 @@ class BudgetError(ValueError):
             f"({format_bytes(budget_bytes)}) at {self.smallest.batch_per_worker} per worker: "
         )
         if compiled:
+            phase = self.smallest.compiled.peak_phase
             found = (
                 f"the smallest compiled peak found is {peak} bytes ({format_bytes(peak)}, "
-                f"{self.smallest.candidate.label}) among {len(self.rows)} candidates"
+                f"{self.smallest.candidate.label}"
+                + (f", density phase {phase}" if phase else "")
+                + f") among {len(self.rows)} candidates"
             )
             if len(compiled) < len(self.rows):
                 found += f" ({len(self.rows) - len(compiled)} ruled out without compiling)"
@@ -661,12 +751,23 @@ class FitResult:
 
 
 def _table(rows: Sequence[Row], title: str, chosen: Row | None = None) -> str:
+    """The rows as text; with several phases (a density schedule) a ``peak phase`` column
+    names the phase whose compiled peak the row's is."""
+    phased = any(r.compiled.peak_phase for r in rows)
+    width = max([len("peak phase")] + [len(r.compiled.peak_phase) for r in rows])
     lines = [
         title,
         f"  {'':1s} {'exchange':<10s} {'optimizer':<9s} {'remat':<6s} {'batch':>6s} "
-        f"{'peak':>11s} {'fits':>4s} {'FLOPs +':>8s} {'residuals':>11s} "
-        f"{'est. step':>10s} {'compile':>8s}",
+        f"{'peak':>11s} "
+        + (f"{'peak phase':<{width}s} " if phased else "")
+        + f"{'fits':>4s} {'FLOPs +':>8s} {'residuals':>11s} {'est. step':>10s} {'compile':>8s}",
     ]
+    if phased:
+        lines.insert(
+            1,
+            "  (peak: the largest over the phases of the density schedule compiled; the "
+            "phases before the last are compiled when the last fits)",
+        )
     for r in rows:
         c = r.compiled
         overhead = "?" if c.flops_overhead is None else f"{100 * c.flops_overhead:.1f}%"
@@ -676,14 +777,17 @@ def _table(rows: Sequence[Row], title: str, chosen: Row | None = None) -> str:
             peak = (">" if r.ruled_out.startswith("needs") else "~") + peak
             lines.append(
                 f"  {mark:1s} {r.candidate.exchange:<10s} {r.candidate.optimizer:<9s} "
-                f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} {peak:>11s} {'no':>4s}   "
-                f"not compiled: {r.ruled_out.split(' = ')[0]}"
+                f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} {peak:>11s} "
+                + (f"{'':<{width}s} " if phased else "")
+                + f"{'no':>4s}   not compiled: {r.ruled_out.split(' = ')[0]}"
             )
             continue
         lines.append(
             f"  {mark:1s} {r.candidate.exchange:<10s} {r.candidate.optimizer:<9s} "
             f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} "
-            f"{peak:>11s} {'yes' if r.fits else 'no':>4s} "
+            f"{peak:>11s} "
+            + (f"{c.peak_phase:<{width}s} " if phased else "")
+            + f"{'yes' if r.fits else 'no':>4s} "
             f"{overhead:>8s} {format_bytes(c.residual_bytes):>11s} "
             f"{_format_seconds(r.step_seconds):>10s} {c.compile_seconds:>7.1f}s"
         )
@@ -739,8 +843,12 @@ def fit(
 
     Every candidate is compiled once (abstract shapes: nothing is allocated or run); an
     adaptive candidate (activation checkpointing) is compiled with its fastest
-    configuration that fits, or its leanest when none does. The step-time estimate is
-    :class:`DeviceModel`'s; ties go to the smaller peak, then to the earlier candidate.
+    configuration that fits, or its leanest when none does. For a run of several programs
+    (the phases of a density schedule; see :class:`Compiler`) a candidate fits when every
+    phase does: its last phase is compiled first and the others only when that fits, the
+    row's peak is the maximum over the phases compiled and ``peak_phase`` names the phase
+    that set it. The step-time estimate is :class:`DeviceModel`'s, of the last phase (the
+    steady state); ties go to the smaller peak, then to the earlier candidate.
 
     A compiler with ``peak_bound`` / ``predicted_peak`` (see :class:`Compiler`) rules
     candidates out before compiling them: one whose lower bound exceeds the budget (when
@@ -939,10 +1047,11 @@ def largest_batch(
     """The largest per-worker batch that fits ``budget``, for each candidate.
 
     Assumes the leanest compiled peak does not decrease as the batch grows. A batch fits
-    when the candidate's leanest configuration fits (for checkpointing: the leanest plan);
-    at the largest fitting batch the candidate's fastest fitting configuration is
-    compiled for the table. The bracket ``[largest fitting, smallest failing]`` shrinks
-    until they are adjacent:
+    when the candidate's leanest configuration fits (for checkpointing: the leanest plan)
+    in every phase of the run: its last phase is compiled first, the other phases only
+    when that fits (:meth:`CachedCompiler.over_phases`); at the largest fitting batch the
+    candidate's fastest fitting configuration is compiled for the table. The bracket
+    ``[largest fitting, smallest failing]`` shrinks until they are adjacent:
 
     * ``"bisect"``: doubling from ``min_batch`` until a batch fails, then bisection;
     * ``"interpolate"`` (default): compiled peaks are close to affine in the batch, so
@@ -1033,6 +1142,8 @@ def _search_batch(
                 decided[batch] = (int(predicted.value), predicted.describe(), True)
                 return True
         value = compiler.leanest(candidate, batch).peak_bytes
+        if value <= budget:  # the last phase fits: so must every other one
+            value = compiler.over_phases(candidate, batch).peak_bytes
         probes.append((batch, value))
         return value <= budget
 
@@ -1045,6 +1156,12 @@ def _search_batch(
         b: p for b, p in compiler.known_peaks(candidate).items() if min_batch <= b <= max_batch
     }
     fit_batches = sorted(b for b, p in known.items() if p <= budget)
+    # A batch whose last phase fits, its other phases not compiled yet: compile them.
+    while fit_batches:
+        over = compiler.over_phases(candidate, fit_batches[-1]).peak_bytes
+        if over <= budget:
+            break
+        known[fit_batches.pop()] = over
     fails = sorted(b for b, p in known.items() if p > budget)
     lo = fit_batches[-1] if fit_batches else None
     hi = next((b for b in fails if lo is None or b > lo), None)

@@ -570,3 +570,133 @@ def test_an_impossible_budget_is_one_line_from_shapes(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: memory.budget='1MiB'"), lines
     assert "params" in lines[0] and "optimizer state" in lines[0] and "nothing compiled" in lines[0]
+
+
+# ------------------------------------------------------------------ density phases
+
+
+class PhasedCompiler:
+    """``compile_fn`` for a run of two programs: a warm-up that keeps every residual in
+    float32 (EF's program, the same optimizer) before the candidate's own, the last."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def leanest(self, candidate, batch):
+        self.compiled.append((candidate, batch, "last"))
+        return compile_fn(candidate, batch)
+
+    def fastest_fitting(self, candidate, batch, budget_bytes):
+        compiled = self.leanest(candidate, batch)
+        if compiled.peak_bytes > budget_bytes:
+            return compiled
+        return self.over_phases(candidate, batch, compiled)
+
+    def over_phases(self, candidate, batch, compiled):
+        self.compiled.append((candidate, batch, "warm-up"))
+        warm_up = compile_fn(Candidate("ef", candidate.optimizer), batch)
+        peaks = [("0 warm-up", warm_up.peak_bytes), ("1 last", compiled.peak_bytes)]
+        return compiled.with_phases(peaks, [warm_up])
+
+
+def test_largest_batch_fits_every_phase_and_compiles_warm_ups_only_where_the_last_fits():
+    max_batch = 24
+    candidate = Candidate("w+2d+bf16", "r")
+    warm_up = Candidate("ef", "r")
+    last_peak = {b: compile_fn(candidate, b).peak_bytes for b in range(1, max_batch + 1)}
+    warm_peak = {b: compile_fn(warm_up, b).peak_bytes for b in range(1, max_batch + 1)}
+    # A budget where the last phase alone would allow a larger batch than both phases.
+    budget = (last_peak[16] + warm_peak[16]) // 2
+    by_last = max(b for b, p in last_peak.items() if p <= budget)
+    both = max(b for b in last_peak if max(last_peak[b], warm_peak[b]) <= budget)
+    assert both < by_last
+    compiler = PhasedCompiler()
+    cache = planner.CachedCompiler(compiler)
+    found = planner.largest_batch([candidate], cache, budget, max_batch=max_batch, start=8)
+    search = found.searches[0]
+    assert search.batch == both, search.probes
+    assert search.row.fits and search.row.compiled.peak_bytes <= budget
+    assert search.row.compiled.peak_bytes == max(last_peak[both], warm_peak[both])
+    for _, b, phase in compiler.compiled:
+        if phase == "warm-up":  # only where the last phase fits
+            assert last_peak[b] <= budget, (b, search.probes)
+    # A second budget reuses the compiled phases as its bracket.
+    again = planner.largest_batch([candidate], cache, budget, max_batch=max_batch)
+    assert again.searches[0].batch == both
+
+
+@functools.cache
+def _phased_gpt():
+    """A reduced GPT-2 (width 128, batch 1) whose dense warm-up program peaks above its
+    top-k phase for ResiReduce (its warm-up sends every gradient densely)."""
+    c = tiny_gpt()
+    c.model.overrides = {"num_layers": 2, "width": 128, "num_heads": 2, "max_len": 16}
+    c.batch_size_per_worker = 1
+    c.compression.density_schedule.dense_fraction = 0.05
+    return c
+
+
+def test_a_warm_up_phase_over_the_budget_rules_its_candidate_out():
+    """The planner judges a candidate by its peak over the density phases: compared with
+    each phase compiled directly (``compiled_step``), one per candidate."""
+    from train import compiled_step, factory, memory_plan
+
+    config = _phased_gpt()
+    compiler = memory_plan.StepCompiler(
+        config, seq_len=16, exchanges=("ef", "w+2d+bf16"), prune=False
+    )
+    candidates = [Candidate("ef", "original"), Candidate("ef", "r"), Candidate("w+2d+bf16", "r")]
+    phases = factory.density_phases(config, 1000)
+    assert len(phases) == 2 == len(compiler.phase_names(candidates[0]))
+    peaks, arguments = {}, {}
+    for c in candidates:
+        steps = [
+            compiled_step.compile_step(
+                compiler.config_for(c), batch_per_worker=1, seq_len=16, density_phase=i
+            ).compiled
+            for i in range(len(phases))
+        ]
+        peaks[c] = [hlo.peak_memory(s).peak for s in steps]
+        arguments[c] = {s.memory_analysis().argument_size_in_bytes for s in steps}
+    # Every phase takes the same arguments: the lower bound holds for each.
+    assert all(len(a) == 1 for a in arguments.values())
+    warm, last = peaks[candidates[2]]
+    assert warm > last  # ResiReduce's dense warm-up peaks above its compressed phase
+    # The budget: the smallest peak over both phases. w+2d+bf16 / r fits in its last phase
+    # but not in its warm-up.
+    budget = min(max(p) for p in peaks.values())
+    assert last <= budget < warm
+    result = planner.fit(candidates, compiler, budget, batch_per_worker=1)
+    fitting = {c for c in candidates if max(peaks[c]) <= budget}
+    assert result.chosen.candidate in fitting and candidates[2] not in fitting
+    rows = {r.candidate: r for r in result.rows}
+    for c in candidates:
+        expected = max(peaks[c]) if peaks[c][-1] <= budget else peaks[c][-1]
+        assert rows[c].compiled.peak_bytes == expected, c
+        assert rows[c].fits == (max(peaks[c]) <= budget)
+    row = rows[candidates[2]]
+    assert not row.fits and row.compiled.peak_phase == "0 dense"
+    assert row.compiled.phase_peaks == (("0 dense", warm), ("1 topk 1%", last))
+    assert "peak phase" in result.table() and "0 dense" in result.table()
+    assert result.as_dict()["candidates"][2]["peak_phase"] == "0 dense"
+    # The warm-ups compiled only where the last phase fits: ef / original's does not.
+    assert peaks[candidates[0]][-1] > budget
+    assert compiler.compilations == 1 + 2 + 2
+    assert [r["density_phase"] for r in compiler.records()].count(0) == 2
+    # Between its two phases alone: nothing fits, and the error names the warm-up.
+    with pytest.raises(planner.BudgetError, match="density phase 0 dense"):
+        planner.fit(candidates[2:], compiler, warm - 1, batch_per_worker=1)
+    assert compiler.compilations == 5  # both of its phases were compiled already
+
+
+def test_a_run_without_a_schedule_compiles_each_candidate_once():
+    from train import memory_plan
+
+    compiler = memory_plan.StepCompiler(tiny_gpt(), seq_len=16, exchanges=("ef",), prune=False)
+    candidates = [Candidate("ef", "original"), Candidate("ef", "r")]
+    assert compiler.phase_names(candidates[0]) == ("0 topk 1%",)
+    result = planner.fit(candidates, compiler, 10 * GiB, batch_per_worker=4)
+    assert compiler.compilations == len(candidates)
+    assert all(r["density_phase"] is None for r in compiler.records())
+    assert all(not r.compiled.peak_phase and not r.compiled.phase_peaks for r in result.rows)
+    assert "peak phase" not in result.table()

@@ -31,6 +31,13 @@ peak from shapes (:meth:`StepCompiler.peak_bound`) and predictions from the step
 compiled so far (:meth:`StepCompiler.predicted_peak`), and skips the plans predicted more
 than ``planner.PREDICTION_MARGIN`` over the budget (docs/design.md, "Memory planning").
 
+A run with ``compression.density_schedule`` trains one program per phase (a dense warm-up
+can peak well above the top-k phase: 1.30x for w+2d on GPT-2 medium,
+``benchmarks/results/density_schedule.md``), so a configuration fits when every phase
+does: the search compiles the last phase, and the other phases of each configuration
+whose last phase fits (:meth:`StepCompiler.over_phases`); the table names the phase that
+set each peak.
+
 :func:`plan_for_training` runs :func:`resireduce_jax.planner.fit` for ``memory.budget``
 before training, prints the table, writes ``memory_plan.json`` to the workdir, and
 returns the chosen configuration (config and, with checkpointing, the planned model);
@@ -118,7 +125,18 @@ class _Chain:
     seconds: float  # measuring the stages and solving the dynamic program
 
 
-_Key = tuple[str, str, int, Any]  # (exchange, optimizer, batch per worker, plan or None)
+# (exchange, optimizer, batch per worker, plan or None, density phase or None: the last)
+_Key = tuple[str, str, int, Any, int | None]
+
+
+def phase_name(index: int, compressor: Any) -> str:
+    """A density phase for the planner's table: ``"0 dense"``, ``"1 topk 1%"``."""
+    if isinstance(compressor, rr.compressors.NoCompression):
+        return f"{index} dense"
+    density = getattr(compressor, "density", None)
+    if isinstance(density, int | float):
+        return f"{index} {compressor.name} {100 * density:g}%"
+    return f"{index} {compressor.name}"
 
 
 class StepCompiler:
@@ -131,6 +149,14 @@ class StepCompiler:
     plans predicted to exceed the budget by more than ``planner.PREDICTION_MARGIN``;
     without it every candidate is compiled (the exhaustive search).
 
+    A run with a density schedule (``compression.density_schedule``) trains one program
+    per phase (:func:`train.factory.density_phases`). :meth:`compile` and :meth:`leanest`
+    compile the last phase, the steady state; :meth:`over_phases` compiles the others of
+    a configuration, and :meth:`fastest_fitting` does so wherever the last phase fits: a
+    configuration fits when every phase does. Each (candidate, batch, plan, phase) is
+    compiled once. The bounds and predictions are the last phase's: every phase takes
+    the same arguments (one optimizer state runs them all), so the bound holds for each.
+
     Args:
       config: the run's config (its ``compression``, ``optimizer`` and ``model``).
       num_workers: workers of the compiled mesh (default ``config.num_workers``).
@@ -142,6 +168,8 @@ class StepCompiler:
       slots: memory slots of the rotor dynamic program.
       log: called with one line per compilation (e.g. ``tqdm.write``); ``None``: silent.
       prune: rule out and skip compilations from bounds and predictions.
+      total_steps: the run's length, for the density schedule's phases (their number and
+        compressors; the steps only place them).
     """
 
     def __init__(
@@ -156,8 +184,10 @@ class StepCompiler:
         slots: int = 500,
         log: Callable[[str], Any] | None = None,
         prune: bool = True,
+        total_steps: int = 1000,
     ):
         self.config = config.copy_and_resolve_references()
+        self.total_steps = total_steps
         self.num_workers = num_workers or config.num_workers
         self.seq_len = seq_len
         self.max_plan_compiles = max_plan_compiles
@@ -176,6 +206,7 @@ class StepCompiler:
         self._states = planner.OnceMap()  # (exchange, optimizer) -> compiled_step.StepState
         self._arguments = planner.OnceMap()  # (exchange, optimizer, batch) -> bytes by part
         self._activations = planner.OnceMap()  # batch -> smallest activation between stages
+        self._phases = planner.OnceMap()  # exchange -> names of the density phases
 
     @property
     def compilations(self) -> int:
@@ -189,18 +220,39 @@ class StepCompiler:
         return steps + sum(c.seconds for _, c in self._chains.items())
 
     def records(self) -> list[dict[str, Any]]:
-        """One row per compiled step: what, batch, checkpoints, peak, compile seconds."""
+        """One row per compiled step: what, batch, checkpoints, density phase (``None``:
+        the last), peak, compile seconds."""
         return [
             {
                 "exchange": exchange,
                 "optimizer": optimizer,
                 "batch_per_worker": batch,
                 "checkpoints": None if plan is None else plan.num_checkpoints,
+                "density_phase": phase,
                 "peak_bytes": compiled.peak_bytes,
                 "compile_seconds": compiled.compile_seconds,
             }
-            for (exchange, optimizer, batch, plan), compiled in self._steps.items()
+            for (exchange, optimizer, batch, plan, phase), compiled in self._steps.items()
         ]
+
+    def _last_steps(self) -> list[tuple[tuple[str, str, int, Any], Compiled]]:
+        """``((exchange, optimizer, batch, plan), compiled)`` of the last phase's steps
+        compiled so far (what predictions and the rotor search read)."""
+        return [(key[:4], c) for key, c in self._steps.items() if key[4] is None]
+
+    def _step(self, exchange: str, optimizer: str, batch: int, plan: Any) -> Compiled | None:
+        """The last phase's step of that configuration if it is compiled, else ``None``."""
+        return self._steps.peek((exchange, optimizer, batch, plan, None))
+
+    def phase_names(self, candidate: Candidate) -> tuple[str, ...]:
+        """The density phases of ``candidate``'s run (:func:`phase_name`), in order; one
+        name for a run without a schedule."""
+
+        def names() -> tuple[str, ...]:
+            found = factory.density_phases(self.config_for(candidate), self.total_steps)
+            return tuple(phase_name(i, p.compressor) for i, p in enumerate(found))
+
+        return self._phases.get(candidate.exchange, names)
 
     # ------------------------------------------------------------------ candidates
 
@@ -301,7 +353,9 @@ class StepCompiler:
 
     # ------------------------------------------------------------------ compiling
 
-    def _abstract(self, candidate: Candidate, batch: int, plan: remat.Plan | None):
+    def _abstract(
+        self, candidate: Candidate, batch: int, plan: remat.Plan | None, phase: int | None = None
+    ):
         task = self.task
         if plan is not None:
             task = dataclasses.replace(task, model=self.model_for(batch, plan))
@@ -312,20 +366,35 @@ class StepCompiler:
             batch_per_worker=batch,
             seq_len=self.seq_len,
             num_workers=self.num_workers,
+            total_steps=self.total_steps,
             task=task,
+            density_phase=phase,
             state=self._states.peek(pair),
         )
         self._states.get(pair, lambda: abstract.state)
         return abstract
 
-    def compile(self, candidate: Candidate, batch: int, plan: remat.Plan | None) -> Compiled:
+    def compile(
+        self,
+        candidate: Candidate,
+        batch: int,
+        plan: remat.Plan | None,
+        phase: int | None = None,
+    ) -> Compiled:
         """The step of ``candidate``'s exchange and optimizer at ``batch``, under ``plan``.
 
-        ``plan=None``: the monolithic model, no checkpointing. Cached.
+        ``plan=None``: the monolithic model, no checkpointing. ``phase``: the density
+        phase compiled (:meth:`phase_names`); ``None``: the last, the steady state, whose
+        figures ``peak_phase`` and ``phase_peaks`` name for a run of several. Cached.
         """
+        names = self.phase_names(candidate)
+        if phase is not None and not 0 <= phase < len(names):
+            raise ValueError(f"phase={phase}, but the run has {len(names)} density phases.")
+        if phase == len(names) - 1:
+            phase = None
 
         def compile_once() -> Compiled:
-            abstract = self._abstract(candidate, batch, plan)
+            abstract = self._abstract(candidate, batch, plan, phase)
             step = abstract.compile()
             settings: dict[str, Any] = {"remat_plan": None}
             if plan is not None:
@@ -341,16 +410,50 @@ class StepCompiler:
                 compile_seconds=step.compile_seconds,
                 settings=settings,
             )
+            if len(names) > 1:
+                name = names[-1 if phase is None else phase]
+                result = dataclasses.replace(
+                    result, peak_phase=name, phase_peaks=((name, result.peak_bytes),)
+                )
             if self.log is not None:
                 self.log(
                     f"compiled {candidate.exchange} / {candidate.optimizer} / "
                     f"{'none' if plan is None else f'{plan.num_checkpoints} checkpoints'}, batch "
-                    f"{batch}: peak {planner.format_bytes(result.peak_bytes)} in "
+                    f"{batch}"
+                    + (f", density phase {result.peak_phase}" if len(names) > 1 else "")
+                    + f": peak {planner.format_bytes(result.peak_bytes)} in "
                     f"{step.compile_seconds:.1f} s"
                 )
             return result
 
-        return self._steps.get((candidate.exchange, candidate.optimizer, batch, plan), compile_once)
+        key = (candidate.exchange, candidate.optimizer, batch, plan, phase)
+        return self._steps.get(key, compile_once)
+
+    def over_phases(self, candidate: Candidate, batch: int, compiled: Compiled) -> Compiled:
+        """``compiled`` (a configuration's last phase, from :meth:`compile`) with the
+        other density phases of the same configuration compiled (cached):
+        :meth:`planner.Compiled.with_phases`, the peak the largest over the phases.
+        ``compiled`` itself for a run of one phase, or one already over every phase or
+        ruled out (nothing compiled)."""
+        names = self.phase_names(candidate)
+        if len(names) == 1 or compiled.all_phases or compiled.settings.get("ruled_out"):
+            return compiled
+        nested = compiled.settings.get("remat_plan_json")
+        plan = None
+        if nested is not None:
+            plan = remat.Plan.from_json(nested, len(self._chain(batch).model.chain.layers))
+        others = [self.compile(candidate, batch, plan, i) for i in range(len(names) - 1)]
+        peaks = [(n, c.peak_bytes) for n, c in zip(names[:-1], others, strict=True)]
+        return compiled.with_phases([*peaks, (names[-1], compiled.peak_bytes)], others)
+
+    def _fitting(
+        self, candidate: Candidate, batch: int, compiled: Compiled, budget: int
+    ) -> Compiled:
+        """``compiled`` over every phase when its last phase fits the budget (it fits when
+        they all do), else as it is: a last phase over the budget needs nothing more."""
+        if compiled.peak_bytes > budget:
+            return compiled
+        return self.over_phases(candidate, batch, compiled)
 
     # ------------------------------------------------------------------ without compiling
 
@@ -410,7 +513,7 @@ class StepCompiler:
         """
         pair = (candidate.exchange, candidate.optimizer)
         peaks: dict[tuple, dict[tuple, int]] = {}  # (exchange, optimizer) -> (batch, plan) -> peak
-        for (e, o, b, p), compiled in self._steps.items():
+        for (e, o, b, p), compiled in self._last_steps():
             peaks.setdefault((e, o), {})[(b, p)] = compiled.peak_bytes
         arguments = {  # they differ by the states alone, whatever the batch
             q: sum(self.argument_bytes(Candidate(*q), 1).values()) for q in {pair, other, *peaks}
@@ -452,7 +555,7 @@ class StepCompiler:
         """
         pair = (candidate.exchange, candidate.optimizer)
         lows, points = [], []  # points: (uncertainty, value, high, source)
-        for (exchange, optimizer, b, p), compiled in self._steps.items():
+        for (exchange, optimizer, b, p), compiled in self._last_steps():
             if p != plan or b > batch or (b < batch and plan is not None):
                 continue
             source = f"{exchange} / {optimizer} at batch {b}"
@@ -483,8 +586,7 @@ class StepCompiler:
         """The compiled step, or, when pruning predicts it over the budget
         (``planner.Prediction.over``), that prediction (``settings["ruled_out"]`` says so;
         nothing compiled)."""
-        key = (candidate.exchange, candidate.optimizer, batch, plan)
-        if self.prune and self._steps.peek(key) is None:
+        if self.prune and self._step(candidate.exchange, candidate.optimizer, batch, plan) is None:
             predicted = self._predicted(candidate, batch, plan)
             if predicted is not None and predicted.over(budget):
                 return Compiled(
@@ -509,11 +611,11 @@ class StepCompiler:
         plan = remat.Plan.from_json(
             compiled.settings["remat_plan_json"], len(chain.model.chain.layers)
         )
-        base = self._steps.peek((candidate.exchange, candidate.optimizer, batch, None))
+        base = self._step(candidate.exchange, candidate.optimizer, batch, None)
         base_flops = None if base is None else base.flops
         if base_flops is None:
-            for (exchange, optimizer, b, p), other in self._steps.items():
-                other_base = self._steps.peek((exchange, optimizer, batch, None))
+            for (exchange, optimizer, b, p), other in self._last_steps():
+                other_base = self._step(exchange, optimizer, batch, None)
                 if b == batch and p == plan and other_base is not None:
                     base_flops = other_base.flops + compiled.flops - other.flops
                     break
@@ -536,24 +638,35 @@ class StepCompiler:
     def fastest_fitting(self, candidate: Candidate, batch: int, budget_bytes: int) -> Compiled:
         """The fastest configuration whose compiled step fits, else the leanest one.
 
-        For ``rotor``: no checkpointing if that fits; otherwise the search of the module
-        docstring over the chain's plans.
+        A configuration fits when its step fits in every density phase
+        (:meth:`over_phases`, compiled where the last phase fits). For ``rotor``: no
+        checkpointing if that fits; otherwise the search of the module docstring over the
+        chain's plans (a plan whose warm-up phase does not fit counts as not fitting, so
+        the search goes on to more checkpoints).
         """
         if not candidate.adaptive:
-            return self.compile(candidate, batch, None)
+            return self._fitting(
+                candidate, batch, self.compile(candidate, batch, None), budget_bytes
+            )
         none = self._compile_unless_over(candidate, batch, None, budget_bytes)
+        none = self._fitting(candidate, batch, none, budget_bytes)
         if none.peak_bytes <= budget_bytes:
             return none
         chain = self._chain(batch)
         front = chain.front
         if not front:
-            return self.compile(candidate, batch, None)
+            return self._fitting(
+                candidate, batch, self.compile(candidate, batch, None), budget_bytes
+            )
         compiled = {-1: none}  # index -1: the monolithic step, which does not fit
 
         def step(i: int) -> Compiled:
             if i not in compiled:
-                compiled[i] = self._compile_unless_over(
-                    candidate, batch, front[i].plan, budget_bytes
+                compiled[i] = self._fitting(
+                    candidate,
+                    batch,
+                    self._compile_unless_over(candidate, batch, front[i].plan, budget_bytes),
+                    budget_bytes,
                 )
             return compiled[i]
 
@@ -579,9 +692,14 @@ class StepCompiler:
 
         leanest = len(front) - 1
         lo, hi = -1, None  # lo does not fit; hi fits (None: none known yet)
-        key = (candidate.exchange, candidate.optimizer, batch, front[leanest].plan)
-        if (known := self._steps.peek(key)) is not None and known.peak_bytes <= budget_bytes:
-            compiled[leanest], hi = known, leanest  # e.g. compiled by a batch search
+        known = self._step(candidate.exchange, candidate.optimizer, batch, front[leanest].plan)
+        if known is not None and known.peak_bytes <= budget_bytes:  # e.g. by a batch search
+            known = self._fitting(candidate, batch, known, budget_bytes)
+            compiled[leanest] = known
+            if known.peak_bytes <= budget_bytes:
+                hi = leanest
+            else:  # a warm-up phase does not fit: not even the leanest plan does
+                return self._with_overhead(candidate, batch, known)
         halved = True
         for _ in range(self.max_plan_compiles + 1):
             top = leanest if hi is None else hi - 1
@@ -659,6 +777,7 @@ def write_plan(result: planner.FitResult, compiler: StepCompiler, workdir: str) 
         "local_devices": config_schema.local_devices(compiler.config),
         "compilations": compiler.compilations,
         "compile_seconds": compiler.compile_seconds,
+        "density_phases": list(compiler.phase_names(result.chosen.candidate)),
         "rotor": "planned" if compiler.chain_model else f"not a candidate: {compiler.remat_note}",
     }
     path = os.path.join(workdir, PLAN_FILE)
@@ -682,7 +801,10 @@ def _plan(
     # The batch the run trains on: the dataset's sequence length for text.
     seq_len = int(config.dataset.get("context_length", 0) or 0)
     log = tqdm.tqdm.write if verbose else None
-    compiler = StepCompiler(config, seq_len=seq_len, log=log)
+    # The schedule's phases: their number and compressors do not depend on the run's
+    # length, which an epoch-based run knows only from its dataset.
+    total_steps = int(config.num_steps) if config.num_steps is not None else 1000
+    compiler = StepCompiler(config, seq_len=seq_len, log=log, total_steps=total_steps)
     try:
         result = planner.fit(
             compiler.candidates(),
@@ -701,10 +823,12 @@ def _plan(
         if not compiler.chain_model:
             print(f"Rotor is not a candidate: {compiler.remat_note}", flush=True)
         overrides = _planned_overrides(compiler, result.chosen)
+        chosen = result.chosen.compiled
+        phase = f", density phase {chosen.peak_phase}" if chosen.peak_phase else ""
         print(
             "Chosen: "
             + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-            + f" (compiled peak {planner.format_bytes(result.chosen.compiled.peak_bytes)}).",
+            + f" (compiled peak {planner.format_bytes(chosen.peak_bytes)}{phase}).",
             flush=True,
         )
         print(f"Memory plan written to {write_plan(result, compiler, workdir)}.", flush=True)

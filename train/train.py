@@ -490,6 +490,32 @@ def _phase_of(phases: list, count: int) -> int | None:
     return rr.compressors.schedule.phase_at(phases, count) if len(phases) > 1 else None
 
 
+def _phase_note(phases: list, *, planned: bool) -> str:
+    """What the memory report's compiled step is, for a run of several density phases:
+    the last phase's program (compiled at the start; the others are compiled when their
+    first step comes, so their peaks are not in the report), and where they are."""
+    names = [
+        memory_plan.phase_name(i, p.compressor) + f" from step {p.start}"
+        for i, p in enumerate(phases)
+    ]
+    note = (
+        f"Density schedule: {len(phases)} phases, one program each ({', '.join(names)}); "
+        f"the peaks above are of the last phase, {names[-1]}."
+    )
+    if planned:
+        note += (
+            f" memory.budget planned every phase: {memory_plan.PLAN_FILE}'s chosen row has "
+            "the largest peak over them (peak_bytes) and its phase (peak_phase)."
+        )
+    else:
+        note += (
+            " The others may peak higher (w+2d's dense warm-up on GPT-2 medium: 1.30x, "
+            "benchmarks/results/density_schedule.md); --plan_only with memory.budget "
+            "compiles every phase."
+        )
+    return note
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, halt_after_step: int | None = None
 ) -> RunSummary:
@@ -573,6 +599,11 @@ def train_and_evaluate(
     report, memory_figures = _memory_report(
         run, state.abstract_params, compiled, time.perf_counter() - started
     )
+    if len(phases) > 1:
+        note = _phase_note(phases, planned=config.memory.budget is not None)
+        report += "\n" + note
+        memory_figures["compiled_peak"]["density_phase"] = report_phase
+        memory_figures["compiled_peak"]["density_phases"] = len(phases)
     if is_main:
         print(report, flush=True)
 
