@@ -68,6 +68,14 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
             "Unknown config key 'compression.typo_key'",
         ),
         (lambda c: c.dataset.__setitem__("context_length", 64), "no config field"),
+        (
+            lambda c: c.compression.update(variant="none", residual_dtype="bfloat16"),
+            "residual_dtype='bfloat16' with compression.variant='none'.*keeps no residuals",
+        ),
+        (
+            lambda c: c.compression.update(variant="dgc", residual_dtype="bfloat16"),
+            "variant='dgc': DGC keeps its own",
+        ),
         (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
     ],
 )

@@ -92,7 +92,7 @@ def with_variant(
 def variant_label(config: ml_collections.ConfigDict) -> str:
     """``compression.variant`` with ``+bf16`` when its residuals are stored in bfloat16."""
     comp = config.compression
-    bf16 = comp.residual_dtype == "bfloat16" and comp.variant not in ("dense", "none", "ef")
+    bf16 = comp.residual_dtype == "bfloat16" and comp.variant not in ("dense", "none")
     return comp.variant + (BF16_SUFFIX if bf16 else "")
 
 

@@ -325,6 +325,17 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         "'bfloat16' or 'float16'.",
     )
     _check(
+        not comp.residual_dtype or comp.variant not in ("dense", "none", "dgc"),
+        f"compression.residual_dtype={comp.residual_dtype!r} with compression.variant="
+        f"{comp.variant!r}: "
+        + (
+            "DGC keeps its own momentum and residual buffers in the gradients' dtype"
+            if comp.variant == "dgc"
+            else "this variant keeps no residuals"
+        )
+        + "; unset residual_dtype or choose a variant with residuals (ef, w+2d, ...).",
+    )
+    _check(
         comp.nonfinite in ("skip", "raise"),
         f"compression.nonfinite={comp.nonfinite!r}; choose 'skip' or 'raise'.",
     )
