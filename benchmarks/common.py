@@ -12,11 +12,12 @@ prose follows it.
 
 Every benchmark re-renders its markdown from its committed JSON without measuring again
 (``--from-json``): :func:`read_results` loads the figures, :func:`write_markdown` writes
-the page.
+the page; :func:`add_output_arguments` adds that flag and ``--out`` to a command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -91,6 +92,19 @@ def fill_prose(text: str, name: str, source: Path | None = None) -> str:
     return _PROSE_MARK.sub(
         lambda m: f"<!-- prose: {m[1]} -->\n{blocks.get(m[1], '')}<!-- /prose -->", text
     )
+
+
+def add_output_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    from_json_help: str = "only re-render the markdown from its JSON",
+    out_help: str | None = None,
+) -> None:
+    """Adds ``--out`` (the results folder, default ``benchmarks/results``) and
+    ``--from-json`` (re-render the markdown from the JSON of an earlier run, without
+    measuring), in that order, with these help texts."""
+    parser.add_argument("--out", default=str(RESULTS), help=out_help)
+    parser.add_argument("--from-json", action="store_true", help=from_json_help)
 
 
 def read_results(name: str, out: str | Path = RESULTS) -> Any:

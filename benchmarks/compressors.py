@@ -41,7 +41,12 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import RESULTS, read_results, write_markdown, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    read_results,
+    write_markdown,
+    write_results,
+)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -79,10 +84,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per method")
     parser.add_argument("--topk-reps", type=int, default=7, help="repetitions of selections")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
-    parser.add_argument("--out", default=str(RESULTS), help="output directory")
-    parser.add_argument(
-        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
-    )
+    add_output_arguments(parser, out_help="output directory")
     return parser.parse_args()
 
 

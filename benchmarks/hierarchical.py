@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import NUM_WORKERS, RESULTS, environment, write_results
+from common import NUM_WORKERS, RESULTS, add_output_arguments, environment, write_results
 from step_time import CASES as STEP_CASES
 from step_time import Runner
 
@@ -292,10 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ACCURACY_JSON",
         help="take flat runs of the same task, variant, seed and steps from this file",
     )
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument(
-        "--from-json", action="store_true", help="re-render hierarchical.md from its JSON"
-    )
+    add_output_arguments(parser, from_json_help="re-render hierarchical.md from its JSON")
     args = parser.parse_args(argv)
     if args.from_json:
         payload = json.loads((RESULTS / "hierarchical.json").read_text())

@@ -62,7 +62,13 @@ from resireduce_jax.remat import (  # noqa: E402
     measure_chain,
     predict,
 )
-from resireduce_jax.remat.solver import Checkpoint, Plan, PlanItem, RunStage  # noqa: E402
+from resireduce_jax.remat.solver import (  # noqa: E402
+    Checkpoint,
+    Plan,
+    PlanItem,
+    RunStage,
+    all_plans,
+)
 from resireduce_jax.remat.zoo import model_chain  # noqa: E402
 
 MIB = 2.0**20
@@ -360,19 +366,6 @@ def held_delta_peak(plan: Plan, costs: ChainCosts) -> float:
     return float(costs.param_bytes.sum() + a[0] + a[n] + need(plan.items, n))
 
 
-def _all_plans(start: int, end: int):
-    """Every plan of ``[start, end)`` the dynamic program can express."""
-    if end == start + 1:
-        yield (RunStage(start),)
-        return
-    for rest in _all_plans(start + 1, end):
-        yield (RunStage(start), *rest)
-    for j in range(start + 1, end):
-        for body in _all_plans(start, j):
-            for rest in _all_plans(j, end):
-                yield (Checkpoint(start, j, body), *rest)
-
-
 def _tanh_layer(p, x):
     return jnp.tanh(x @ p["w"] + p["b"])
 
@@ -447,7 +440,7 @@ def accounting_check(plans_per_chain: int = 40, seed: int = 0) -> list[dict]:
         stages, params, x = _accounting_chain(widths, kinds)
         n = len(stages)
         costs = measure_chain(stages, params, x)
-        every = [Plan(items, n) for items in _all_plans(0, n)]
+        every = [Plan(items, n) for items in all_plans(0, n)]
         picked = rng.choice(len(every), size=min(plans_per_chain, len(every)), replace=False)
         plans = [every[i] for i in sorted(picked)]
         plans += [baselines.no_remat(n), baselines.every_stage(n), baselines.recursive_halving(n)]

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 from common import (
     NUM_WORKERS,
-    RESULTS,
     Case,
+    add_output_arguments,
     environment,
     guard_name,
     read_results,
@@ -298,10 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help='time the streamed backward pass against "free" instead',
     )
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument(
-        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
-    )
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
 
     compare = None

@@ -22,7 +22,7 @@ applies to the word embeddings (30522 x 768), as the reference's ``is_dim_compre
         --config.dataset.vocab_file=$DATA/uncased_L-12_H-768_A-12/vocab.txt
 """
 
-from train.config_lib import consecutive_layer_rules
+from train.config_lib import adamw_cosine, consecutive_layer_rules, paper_run
 from train.config_schema import base_config
 
 NUM_LAYERS = 12
@@ -48,21 +48,13 @@ def get_config():
     c.num_workers = 8
     c.batch_size_per_worker = 4
     c.num_epochs = 4.0
-    c.optimizer.name = "adamw"
-    c.optimizer.learning_rate = 3e-5
-    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.999, "eps": 1e-6}
-    c.optimizer.weight_decay = 0.01
+    # warm-up: 10 % of 4 epochs
+    adamw_cosine(c, learning_rate=3e-5, eps=1e-6, weight_decay=0.01, warmup_epochs=0.4)
     c.optimizer.max_grad_norm = 1.0
-    c.schedule.name = "warmup_cosine"
-    c.schedule.warmup_epochs = 0.4  # 10 % of 4 epochs
-    c.schedule.end_factor = 0.0
-    c.compression.variant = "w+2d"
-    c.compression.compressor = "topk"
-    c.compression.density = 0.01
-    c.compression.grouping = "regex"
-    c.compression.rules = group_rules(NUM_LAYERS)
-    c.compression.intra_layers = r"^embeddings/word_embeddings/embedding$"
-    c.log_every = 100
-    c.eval_every = 2000
-    c.checkpoint_every = 2000
+    paper_run(
+        c,
+        rules=group_rules(NUM_LAYERS),
+        intra_layers=r"^embeddings/word_embeddings/embedding$",
+        eval_every=2000,
+    )
     return c

@@ -5,12 +5,10 @@ reference code and the differences from it, listed there) with the large model a
 groups; the reference fine-tunes the pretrained ``gpt2-large`` while this program starts
 from a random initialization.
 
-Reusable groups (§4.1, reference ``resireducegpt2.py``): each weight role of three
-consecutive blocks (``h_0-2``, ``h_3-5``, ... ``h_33-35``) shares one residual: 12 groups
-for each of ``attn/c_attn``, ``attn/c_proj``, ``mlp/c_fc`` and ``mlp/c_proj`` kernels
-(biases and LayerNorms are below ``min_size`` and travel dense). Intra-layer 2-D
-reduction (§4.3) applies to the token embedding ``wte`` (50257 x 1280, which is also the
-tied LM head), as the reference's ``is_dim_compress`` does; ``wpe`` keeps a full residual.
+Reusable groups (§4.1, reference ``resireducegpt2.py``) as for GPT-2 medium, over 36
+blocks: 12 groups of three consecutive blocks (``h_0-2`` ... ``h_33-35``) for each of the
+four kernel roles; intra-layer 2-D reduction (§4.3) on the token embedding ``wte``
+(50257 x 1280, also the tied LM head).
 
     python -m train --config configs/gpt2_large_wikitext.py --workdir /tmp/rr_gpt2l \
         --config.dataset.train_files=$DATA/wikitext-103-raw/wiki.train.raw \

@@ -23,7 +23,7 @@ tied LM head), as the reference's ``is_dim_compress`` does; ``wpe`` keeps a full
         --config.dataset.tokenizer=$DATA/gpt2/tokenizer.json
 """
 
-from train.config_lib import consecutive_layer_rules
+from train.config_lib import adamw_cosine, consecutive_layer_rules, paper_run
 from train.config_schema import base_config
 
 NUM_LAYERS = 24
@@ -48,20 +48,6 @@ def get_config():
     c.num_workers = 8
     c.batch_size_per_worker = 2
     c.num_epochs = 2.0
-    c.optimizer.name = "adamw"
-    c.optimizer.learning_rate = 5e-5
-    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.999, "eps": 1e-8}
-    c.optimizer.weight_decay = 0.0
-    c.schedule.name = "warmup_cosine"
-    c.schedule.warmup_epochs = 0.0
-    c.schedule.end_factor = 0.0
-    c.compression.variant = "w+2d"
-    c.compression.compressor = "topk"
-    c.compression.density = 0.01
-    c.compression.grouping = "regex"
-    c.compression.rules = group_rules(NUM_LAYERS)
-    c.compression.intra_layers = r"^wte/embedding$"
-    c.log_every = 100
-    c.eval_every = 5000
-    c.checkpoint_every = 5000
+    adamw_cosine(c, learning_rate=5e-5, eps=1e-8, weight_decay=0.0, warmup_epochs=0.0)
+    paper_run(c, rules=group_rules(NUM_LAYERS), intra_layers=r"^wte/embedding$", eval_every=5000)
     return c

@@ -30,7 +30,7 @@ reference's rule (w+2d saves 14.88 % of the model states with SGD-momentum, 14.8
     python -m train --config configs/resnet50_cifar100.py --workdir /tmp/rr_resnet50
 """
 
-from train.config_schema import base_config
+from train.config_lib import cifar100_config
 
 # (pattern, label) pairs for resireduce_jax.grouping.regex; first full match wins.
 RULES = (
@@ -42,27 +42,4 @@ RULES = (
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50_cifar"
-    c.dataset = {"name": "cifar100", "augment": True}
-    c.num_workers = 8
-    c.batch_size_per_worker = 32
-    c.num_epochs = 80.0
-    c.optimizer.name = "sgd"
-    c.optimizer.learning_rate = 0.1
-    c.optimizer.kwargs = {"momentum": 0.9}
-    c.optimizer.weight_decay = 5e-5
-    c.schedule.name = "warmup_piecewise"
-    c.schedule.warmup_epochs = 5.0
-    c.schedule.boundaries_epochs = (30.0, 60.0)
-    c.schedule.decay_factor = 0.1
-    c.compression.variant = "w+2d"
-    c.compression.compressor = "topk"
-    c.compression.density = 0.01
-    c.compression.grouping = "regex"
-    c.compression.rules = RULES
-    c.compression.intra_layers = "auto"
-    c.log_every = 100
-    c.eval_every = 1563  # one epoch of 50,000 images at 8 x 32
-    c.checkpoint_every = 1563
-    return c
+    return cifar100_config("resnet50_cifar", rules=RULES, intra_layers="auto")

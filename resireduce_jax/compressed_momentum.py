@@ -64,13 +64,14 @@ from resireduce_jax.exchange import ExchangePlan, ExchangeState, ExchangeTransfo
 from resireduce_jax.optimizers._common import (
     MaskOrFn,
     ScalarOrSchedule,
-    check_beta,
+    check_hyperparameters,
     check_max_grad_norm,
     check_non_negative,
     clip_factor,
     decay_flags,
     descend,
     global_norm,
+    require_params,
     scalar_as,
     value_at,
 )
@@ -173,11 +174,9 @@ class _CompressedMomentum:
         **extra_args: Any,
     ) -> tuple[optax.Updates, CompressedMomentumState]:
         del extra_args
-        if params is None:
-            raise ValueError(
-                "compressed-momentum optimizers need the parameters for weight decay: call "
-                "tx.update(grads, opt_state, params)."
-            )
+        require_params(
+            params, "compressed-momentum optimizers need the parameters for weight decay"
+        )
         b1, b2 = self.b1, self.b2
         count_inc = optax.safe_increment(state.count)
         if self.warmup is None:
@@ -332,11 +331,9 @@ def compressed_momentum_adam(
         decay, a non-positive ``max_grad_norm``, or an exchange that starts compressed
         (the second moment needs dense steps to be estimated).
     """
-    check_beta("b1", b1)
-    check_beta("b2", b2)
-    check_non_negative("eps", eps)
-    check_non_negative("learning_rate", learning_rate)
-    check_non_negative("weight_decay", weight_decay)
+    check_hyperparameters(
+        learning_rate, weight_decay, betas={"b1": b1, "b2": b2}, non_negative={"eps": eps}
+    )
     check_non_negative("nu_floor", nu_floor)
     if compressed not in ("momentum", "update"):
         raise ValueError(f"compressed={compressed!r}: choose 'momentum' or 'update'.")
@@ -401,9 +398,7 @@ def compressed_momentum_sgd(
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is a
       :class:`CompressedMomentumState` (``nu`` empty).
     """
-    check_beta("momentum", momentum)
-    check_non_negative("learning_rate", learning_rate)
-    check_non_negative("weight_decay", weight_decay)
+    check_hyperparameters(learning_rate, weight_decay, betas={"momentum": momentum})
     _check_exchange(exchange)
     core = _CompressedMomentum(
         adam=False,

@@ -65,6 +65,32 @@ def check_compressor(compressor: Any) -> Compressor | Phased:
     return compressor
 
 
+def _singleton_exchange(
+    kind: str,
+    name: str,
+    compressor: Compressor,
+    axis_name: AxisName,
+    local_axis: str | None,
+    layer_stacks: LayerStacks | None,
+    min_size: int,
+    seed: int,
+) -> ExchangeTransformation:
+    """The exchange whose every compressed leaf is a store of its own: with a residual
+    (``kind="leaf"``, :func:`error_feedback`) or without (``"none"``,
+    :func:`compressed_mean`); arguments checked, named ``name``."""
+    min_size = check_min_size(min_size)
+    return exchange(
+        check_compressor(compressor),
+        axis_name,
+        planner=functools.partial(singleton_stores, min_size=min_size, kind=kind),
+        min_size=min_size,
+        seed=seed,
+        name=name,
+        local_axis=local_axis,
+        layer_stacks=layer_stacks,
+    )
+
+
 def compressed_mean(
     compressor: Compressor,
     axis_name: AxisName = "data",
@@ -101,16 +127,8 @@ def compressed_mean(
       :class:`~resireduce_jax.exchange.ExchangeState` with no residuals. ``update`` takes
       an optional ``skip`` (see :func:`resireduce_jax.skip_nonfinite`).
     """
-    min_size = check_min_size(min_size)
-    return exchange(
-        check_compressor(compressor),
-        axis_name,
-        planner=functools.partial(singleton_stores, min_size=min_size, kind="none"),
-        min_size=min_size,
-        seed=seed,
-        name="compressed_mean",
-        local_axis=local_axis,
-        layer_stacks=layer_stacks,
+    return _singleton_exchange(
+        "none", "compressed_mean", compressor, axis_name, local_axis, layer_stacks, min_size, seed
     )
 
 
@@ -158,14 +176,6 @@ def error_feedback(
       each residual becomes ``G~`` (nothing was sent); see
       :func:`resireduce_jax.skip_nonfinite`.
     """
-    min_size = check_min_size(min_size)
-    return exchange(
-        check_compressor(compressor),
-        axis_name,
-        planner=functools.partial(singleton_stores, min_size=min_size, kind="leaf"),
-        min_size=min_size,
-        seed=seed,
-        name="error_feedback",
-        local_axis=local_axis,
-        layer_stacks=layer_stacks,
+    return _singleton_exchange(
+        "leaf", "error_feedback", compressor, axis_name, local_axis, layer_stacks, min_size, seed
     )

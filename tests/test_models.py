@@ -45,6 +45,28 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _block_shapes(
+    prefix: str, d: int, norms: tuple[str, ...], dense: list[tuple[str, int, int]]
+) -> dict[str, tuple[int, ...]]:
+    """Expected parameters of one transformer block under ``prefix``: a scale and a bias of
+    width ``d`` per LayerNorm in ``norms``; a kernel ``[in, out]`` and a bias per
+    ``(name, in, out)`` in ``dense``."""
+    shapes = {}
+    for ln in norms:
+        shapes[f"{prefix}/{ln}/scale"] = shapes[f"{prefix}/{ln}/bias"] = (d,)
+    for sub, fan_in, fan_out in dense:
+        shapes[f"{prefix}/{sub}/kernel"] = (fan_in, fan_out)
+        shapes[f"{prefix}/{sub}/bias"] = (fan_out,)
+    return shapes
+
+
+def _fused_qkv_dense(d: int, qkv: str, proj: str, up: str, down: str) -> list[tuple[str, int, int]]:
+    """The dense layers of a GPT-2 / ViT block of width ``d`` as :func:`_block_shapes`
+    takes them: fused query-key-value ``d -> 3d``, attention output ``d -> d``, MLP
+    ``d -> 4d -> d``."""
+    return [(qkv, d, 3 * d), (proj, d, d), (up, d, 4 * d), (down, 4 * d, d)]
+
+
 def _random_batch(config: models.ModelConfig, batch_size: int, seed: int = 0):
     """A concrete batch with values in each key's valid range."""
     rng = np.random.default_rng(seed)
@@ -308,17 +330,9 @@ def test_gpt2_parameter_names_and_layouts():
     d = 1024
     expected = {"wte/embedding": (50257, d), "wpe/embedding": (1024, d)}
     expected |= {"ln_f/scale": (d,), "ln_f/bias": (d,)}
+    dense = _fused_qkv_dense(d, "attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
     for i in range(24):
-        for ln in ("ln_1", "ln_2"):
-            expected |= {f"h_{i}/{ln}/scale": (d,), f"h_{i}/{ln}/bias": (d,)}
-        for sub, fan_in, fan_out in [
-            ("attn/c_attn", d, 3 * d),
-            ("attn/c_proj", d, d),
-            ("mlp/c_fc", d, 4 * d),
-            ("mlp/c_proj", 4 * d, d),
-        ]:
-            expected[f"h_{i}/{sub}/kernel"] = (fan_in, fan_out)  # [in, out]
-            expected[f"h_{i}/{sub}/bias"] = (fan_out,)
+        expected |= _block_shapes(f"h_{i}", d, ("ln_1", "ln_2"), dense)
     assert shapes == expected
 
 
@@ -335,17 +349,9 @@ def test_vit_parameter_names_and_layouts():
         "head/kernel": (d, 1000),
         "head/bias": (1000,),
     }
+    dense = _fused_qkv_dense(d, "attn/qkv", "attn/proj", "mlp/fc1", "mlp/fc2")
     for i in range(12):
-        for ln in ("norm1", "norm2"):
-            expected |= {f"blocks_{i}/{ln}/scale": (d,), f"blocks_{i}/{ln}/bias": (d,)}
-        for sub, fan_in, fan_out in [
-            ("attn/qkv", d, 3 * d),
-            ("attn/proj", d, d),
-            ("mlp/fc1", d, 4 * d),
-            ("mlp/fc2", 4 * d, d),
-        ]:
-            expected[f"blocks_{i}/{sub}/kernel"] = (fan_in, fan_out)
-            expected[f"blocks_{i}/{sub}/bias"] = (fan_out,)
+        expected |= _block_shapes(f"blocks_{i}", d, ("norm1", "norm2"), dense)
     assert shapes == expected
 
 
@@ -715,20 +721,17 @@ def _bert_shapes(layers, width, vocab=30522, positions=512, types=2):
     for table, rows in [("word", vocab), ("position", positions), ("token_type", types)]:
         shapes[f"embeddings/{table}_embeddings/embedding"] = (rows, d)
     shapes["embeddings/LayerNorm/scale"] = shapes["embeddings/LayerNorm/bias"] = (d,)
+    dense = [
+        ("attention/self/query", d, d),
+        ("attention/self/key", d, d),
+        ("attention/self/value", d, d),
+        ("attention/output/dense", d, d),
+        ("intermediate/dense", d, 4 * d),
+        ("output/dense", 4 * d, d),
+    ]
+    norms = ("attention/output/LayerNorm", "output/LayerNorm")
     for i in range(layers):
-        prefix = f"encoder/layer_{i}"
-        for sub, fan_in, fan_out in [
-            ("attention/self/query", d, d),
-            ("attention/self/key", d, d),
-            ("attention/self/value", d, d),
-            ("attention/output/dense", d, d),
-            ("intermediate/dense", d, 4 * d),
-            ("output/dense", 4 * d, d),
-        ]:
-            shapes[f"{prefix}/{sub}/kernel"] = (fan_in, fan_out)
-            shapes[f"{prefix}/{sub}/bias"] = (fan_out,)
-        for ln in ("attention/output/LayerNorm", "output/LayerNorm"):
-            shapes[f"{prefix}/{ln}/scale"] = shapes[f"{prefix}/{ln}/bias"] = (d,)
+        shapes |= _block_shapes(f"encoder/layer_{i}", d, norms, dense)
     shapes |= {"qa_outputs/kernel": (d, 2), "qa_outputs/bias": (2,)}
     return shapes
 

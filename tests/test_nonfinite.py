@@ -27,17 +27,11 @@ SHAPES = {
 
 
 def _params():
-    return jax.tree.map(
-        lambda s: np.zeros(s, np.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    return th.zero_params(SHAPES)
 
 
 def _grads(steps, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        jax.tree.map(lambda p: rng.standard_t(3, size=(W, *p.shape)).astype(np.float32), _params())
-        for _ in range(steps)
-    ]
+    return th.random_grad_trees(np.random.default_rng(seed), _params(), W, steps)
 
 
 EXCHANGES = {

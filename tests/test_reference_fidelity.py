@@ -257,9 +257,7 @@ def make(reference: str, **overrides) -> rr.exchange.ExchangeTransformation:
 
 
 def _params():
-    return jax.tree.map(
-        lambda s: np.zeros(s, np.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    return th.zero_params(SHAPES)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -268,13 +266,7 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 def _grads(workers: int, seed: int) -> list:
     """``STEPS`` gradient trees with a leading worker axis (heavy-tailed)."""
-    rng = np.random.default_rng(seed)
-    return [
-        jax.tree.map(
-            lambda p: rng.standard_t(3, size=(workers, *p.shape)).astype(np.float32), _params()
-        )
-        for _ in range(STEPS)
-    ]
+    return th.random_grad_trees(np.random.default_rng(seed), _params(), workers, STEPS)
 
 
 def assert_matches(got: np.ndarray, expected: np.ndarray, exact: bool, what: str) -> None:

@@ -18,7 +18,15 @@ import pytest
 from resireduce_jax.remat import baselines
 from resireduce_jax.remat.costs import ChainCosts
 from resireduce_jax.remat.planner import parse_budget
-from resireduce_jax.remat.solver import Checkpoint, Plan, RotorTable, RunStage, predict, solve
+from resireduce_jax.remat.solver import (
+    Checkpoint,
+    Plan,
+    RotorTable,
+    RunStage,
+    all_plans,
+    predict,
+    solve,
+)
 
 
 def random_costs(rng: np.random.Generator, n: int) -> ChainCosts:
@@ -37,19 +45,6 @@ def random_costs(rng: np.random.Generator, n: int) -> ChainCosts:
         time_unit="flops",
         stage_names=tuple(f"s{i}" for i in range(n)),
     )
-
-
-def all_plans(start: int, end: int):
-    """Every persistent plan of [start, end) that the dynamic program can express."""
-    if end == start + 1:
-        yield (RunStage(start),)
-        return
-    for rest in all_plans(start + 1, end):
-        yield (RunStage(start), *rest)
-    for j in range(start + 1, end):
-        for body in all_plans(start, j):
-            for rest in all_plans(j, end):
-                yield (Checkpoint(start, j, body), *rest)
 
 
 def simulated_peak(plan: Plan, costs: ChainCosts) -> int:

@@ -32,21 +32,11 @@ GROUP = ("block_0/kernel", "block_1/kernel", "block_2/kernel")
 
 
 def _params():
-    return jax.tree.map(
-        lambda s: np.zeros(s, np.float32), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    return th.zero_params(SHAPES)
 
 
 def _grads(steps=3, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        out.append(
-            jax.tree.map(
-                lambda p: rng.standard_t(3, size=(W, *p.shape)).astype(np.float32), _params()
-            )
-        )
-    return out
+    return th.random_grad_trees(np.random.default_rng(seed), _params(), W, steps)
 
 
 def _flat(tree):

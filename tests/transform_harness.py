@@ -120,6 +120,24 @@ def random_grads(
     ]
 
 
+def zero_params(shapes: dict[str, Any]) -> dict[str, Any]:
+    """float32 zeros of the nested ``shapes`` (a dict whose leaves are shape tuples)."""
+    return jax.tree.map(
+        lambda s: np.zeros(s, np.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def random_grad_trees(rng: np.random.Generator, params: Any, workers: int, steps: int) -> list[Any]:
+    """``steps`` float32 gradient trees like ``params`` with a leading axis ``workers``,
+    heavy-tailed (Student t, 3 degrees of freedom), drawn leaf by leaf from ``rng``."""
+    return [
+        jax.tree.map(
+            lambda p: rng.standard_t(3, size=(workers, *p.shape)).astype(np.float32), params
+        )
+        for _ in range(steps)
+    ]
+
+
 def np_topk_sparsify(x: np.ndarray, density: float) -> np.ndarray:
     """Independent numpy Top-k: keep the k = max(1, floor(density n)) largest |x|."""
     flat = x.ravel()

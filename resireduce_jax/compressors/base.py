@@ -39,6 +39,7 @@ Randomness = Literal["none", "shared", "per_worker"]
 
 __all__ = [
     "Compressor",
+    "DecodedMean",
     "Reduced",
     "all_gather",
     "axis_size",
@@ -371,3 +372,13 @@ def gathered_mean(
     zeros, gathered = zeros_for(like.shape, acc_dtype, gathered)
     total = lax.fori_loop(0, workers, add_worker, zeros)
     return (total / workers).astype(like.dtype)
+
+
+class DecodedMean:
+    """Mixin: ``aggregate`` is the mean over workers of each worker's payload decompressed
+    in float32 (:func:`gathered_mean`), the exchange of the quantizers and of the scaled
+    sign compressors. Put it before :class:`Compressor` in the bases."""
+
+    def aggregate(self, payload, like, axis_name):
+        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
+        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)

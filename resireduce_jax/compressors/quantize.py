@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from resireduce_jax.compressors.base import Compressor, check_int, gathered_mean
+from resireduce_jax.compressors.base import Compressor, DecodedMean, check_int
 
 __all__ = [
     "QSGD",
@@ -59,7 +59,7 @@ class QuantizedPayload(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD(Compressor):
+class QSGD(DecodedMean, Compressor):
     """QSGD stochastic quantization (Alistarh et al., "QSGD: Communication-Efficient SGD via
     Gradient Quantization and Encoding", NeurIPS 2017, §3.1 eq. (1) and the bucketing of
     §5 / Appendix).
@@ -129,10 +129,6 @@ class QSGD(Compressor):
         values = payload.norms[:, None] * (levels.astype(jnp.float32) / self.levels)
         return values.ravel()[:n].reshape(like.shape).astype(like.dtype)
 
-    def aggregate(self, payload: QuantizedPayload, like, axis_name):
-        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)
-
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         n = math.prod(shape)
         return n + 4 * -(-n // self._bucket(n))
@@ -163,7 +159,7 @@ class TernaryPayload(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class TernGrad(Compressor):
+class TernGrad(DecodedMean, Compressor):
     """TernGrad (Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
     Distributed Deep Learning", NeurIPS 2017, §3 eq. (3)-(4)).
 
@@ -197,10 +193,6 @@ class TernGrad(Compressor):
         signs = jnp.where(codes == 1, 1.0, jnp.where(codes == 2, -1.0, 0.0))
         return (payload.scale * signs).reshape(like.shape).astype(like.dtype)
 
-    def aggregate(self, payload: TernaryPayload, like, axis_name):
-        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)
-
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return -(-math.prod(shape) // 4) + 4
 
@@ -216,7 +208,7 @@ class NaturalPayload(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class NaturalCompression(Compressor):
+class NaturalCompression(DecodedMean, Compressor):
     """Natural compression (Horváth et al., "Natural Compression for Distributed Deep
     Learning", 2019, §3 eq. (5), C_nat).
 
@@ -279,10 +271,6 @@ class NaturalCompression(Compressor):
         value_bits = ((codes >> 7) << 31) | (jnp.clip(exponent, 0, 255).astype(jnp.uint32) << 23)
         values = lax.bitcast_convert_type(jnp.where(valid, value_bits, 0), jnp.float32)
         return values.reshape(like.shape).astype(like.dtype)
-
-    def aggregate(self, payload: NaturalPayload, like, axis_name):
-        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return math.prod(shape) + 4

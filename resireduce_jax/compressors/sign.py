@@ -26,9 +26,9 @@ from jax import lax
 
 from resireduce_jax.compressors.base import (
     Compressor,
+    DecodedMean,
     all_gather,
     axis_size,
-    gathered_mean,
     zeros_for,
 )
 
@@ -78,8 +78,23 @@ def majority_vote(packed: jax.Array, like: jax.ShapeDtypeStruct, axis_name: str)
     return jnp.sign(votes).astype(like.dtype).reshape(like.shape)
 
 
+class _MajorityVote:
+    """What :class:`SignSGD` and :class:`Signum` share: a payload of packed sign bits
+    (``ceil(n / 8)`` bytes), decompressed to ``±1`` and aggregated by
+    :func:`majority_vote`."""
+
+    def decompress(self, payload, like):
+        return unpack_signs(payload, math.prod(like.shape)).reshape(like.shape).astype(like.dtype)
+
+    def aggregate(self, payload, like, axis_name):
+        return majority_vote(payload, like, axis_name)
+
+    def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
+        return _sign_bytes(math.prod(shape))
+
+
 @dataclasses.dataclass(frozen=True)
-class SignSGD(Compressor):
+class SignSGD(_MajorityVote, Compressor):
     """signSGD with majority vote (Bernstein et al., "signSGD: Compressed Optimisation for
     Non-Convex Problems", ICML 2018, Algorithm 3; Bernstein et al., "signSGD with Majority
     Vote is Communication Efficient and Fault Tolerant", ICLR 2019).
@@ -100,18 +115,9 @@ class SignSGD(Compressor):
         del key
         return pack_signs(x), state
 
-    def decompress(self, payload, like):
-        return unpack_signs(payload, math.prod(like.shape)).reshape(like.shape).astype(like.dtype)
-
-    def aggregate(self, payload, like, axis_name):
-        return majority_vote(payload, like, axis_name)
-
-    def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
-        return _sign_bytes(math.prod(shape))
-
 
 @dataclasses.dataclass(frozen=True)
-class Signum(Compressor):
+class Signum(_MajorityVote, Compressor):
     """Signum: signSGD on momentum, with majority vote (Bernstein et al., ICML 2018,
     Algorithm 2; ICLR 2019, Algorithm 1).
 
@@ -149,15 +155,6 @@ class Signum(Compressor):
         momentum = (self.beta * state + (1.0 - self.beta) * x).astype(x.dtype)
         return pack_signs(momentum), momentum
 
-    def decompress(self, payload, like):
-        return unpack_signs(payload, math.prod(like.shape)).reshape(like.shape).astype(like.dtype)
-
-    def aggregate(self, payload, like, axis_name):
-        return majority_vote(payload, like, axis_name)
-
-    def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
-        return _sign_bytes(math.prod(shape))
-
 
 class ScaledSignPayload(NamedTuple):
     """Packed sign bits and one float32 scale."""
@@ -167,7 +164,7 @@ class ScaledSignPayload(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class EFSignSGD(Compressor):
+class EFSignSGD(DecodedMean, Compressor):
     """Scaled sign compression of EF-signSGD (Karimireddy et al., "Error Feedback Fixes
     SignSGD and other Gradient Compression Schemes", ICML 2019, Algorithm 1 with
     ``C(x) = (||x||_1 / d) sign(x)``).
@@ -192,10 +189,6 @@ class EFSignSGD(Compressor):
         signs = unpack_signs(payload.packed, math.prod(like.shape))
         return (payload.scale * signs).reshape(like.shape).astype(like.dtype)
 
-    def aggregate(self, payload, like, axis_name):
-        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)
-
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return _sign_bytes(math.prod(shape)) + 4
 
@@ -208,7 +201,7 @@ class OneBitPayload(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class OneBit(Compressor):
+class OneBit(DecodedMean, Compressor):
     """1-bit SGD quantization (Seide et al., "1-Bit Stochastic Gradient Descent and its
     Application to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014,
     §2.2).
@@ -243,10 +236,6 @@ class OneBit(Compressor):
         bits = jnp.unpackbits(payload.packed, count=math.prod(like.shape))
         values = jnp.where(bits == 1, payload.centers[0], payload.centers[1])
         return values.reshape(like.shape).astype(like.dtype)
-
-    def aggregate(self, payload, like, axis_name):
-        f32 = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-        return gathered_mean(payload, lambda p: self.decompress(p, f32), like, axis_name)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return _sign_bytes(math.prod(shape)) + 8

@@ -1,18 +1,20 @@
 """Pieces the three gradient-space-reutilization optimizers share.
 
 Argument checks with errors that say how to fix the call, resolution of float-or-schedule
-hyper-parameters, the weight-decay mask and the global gradient norm used by the
-folded-in clipping.
+hyper-parameters, the weight-decay mask, the global gradient norm used by the
+folded-in clipping and the optimizer with decoupled weight decay that AdamW-R and Lion-R
+are made of (:func:`decoupled_optimizer`, its per-leaf pass :func:`decoupled_step`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from resireduce_jax import in_place
@@ -26,13 +28,17 @@ __all__ = [
     "ScalarOrSchedule",
     "accumulation_dtype",
     "check_beta",
+    "check_hyperparameters",
     "check_max_grad_norm",
     "check_non_negative",
     "clip_factor",
     "decay_flags",
+    "decoupled_optimizer",
+    "decoupled_step",
     "descend",
     "global_norm",
     "is_zero_constant",
+    "require_params",
     "scalar_as",
     "scalar_dtype",
     "value_at",
@@ -84,6 +90,37 @@ def check_max_grad_norm(value: Any) -> float | None:
             "gradient clipping."
         )
     return number
+
+
+def check_hyperparameters(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule,
+    *,
+    betas: Mapping[str, Any] | None = None,
+    non_negative: Mapping[str, Any] | None = None,
+) -> None:
+    """The argument checks the optimizers share, in the order they report errors.
+
+    Each of ``betas`` (name to value) must lie in [0, 1) (:func:`check_beta`), each of
+    ``non_negative`` (``eps`` and the like) be >= 0, then ``learning_rate`` and
+    ``weight_decay`` be >= 0 (constants only: :func:`check_non_negative`).
+    """
+    for name, value in (betas or {}).items():
+        check_beta(name, value)
+    for name, value in (non_negative or {}).items():
+        check_non_negative(name, value)
+    check_non_negative("learning_rate", learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+
+
+def require_params(params: PyTree | None, needs: str) -> None:
+    """Raises ``ValueError`` when ``update`` was called without the parameters.
+
+    ``needs`` starts the message, e.g. ``"adamw_r needs the parameters for weight decay"``;
+    the fix (``tx.update(grads, opt_state, params)``) is appended.
+    """
+    if params is None:
+        raise ValueError(f"{needs}: call tx.update(grads, opt_state, params).")
 
 
 def is_zero_constant(value: ScalarOrSchedule) -> bool:
@@ -224,3 +261,133 @@ def gated_step(
     update = update_from(g, *kept)
     update = jnp.where(skip, jnp.zeros((), update.dtype), update)
     return update, tuple(k.astype(o.dtype) for k, o in zip(kept, olds, strict=True))
+
+
+def decoupled_step(
+    updates: PyTree,
+    states: tuple[PyTree, ...],
+    params: PyTree,
+    *,
+    count: jax.Array,
+    learning_rate: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule,
+    mask: MaskOrFn,
+    clip_norm: float | None,
+    skip: jax.Array | None,
+    new_states: Callable[..., tuple[jax.Array, ...]],
+    direction: Callable[..., jax.Array],
+) -> tuple[PyTree, tuple[PyTree, ...]]:
+    """The per-leaf pass of AdamW-R and Lion-R: ``(updates, new states)``.
+
+    Per leaf, ``g`` is the gradient (times :func:`clip_factor` of the global norm when
+    ``clip_norm`` is set), ``new_states(g, *olds)`` gives the leaf's new states in compute
+    precision and the update is :math:`-η_t(\text{direction}(g, *news) + λ_t p)` (decoupled
+    weight decay on the leaves ``mask`` selects; a constant zero λ is skipped, as optax
+    does), with η and λ read at ``count`` and descended as :func:`descend` does. The
+    step is :func:`gated_step`: a late ``skip`` gives a zero update and the old states.
+
+    Args:
+      updates: the gradients.
+      states: the optimizer's per-leaf state trees (each like ``params``), in the order
+        ``new_states`` takes and returns them.
+      params: the parameters.
+      count: the step count the schedules are read at.
+      learning_rate, weight_decay, mask: as the optimizers take them.
+      clip_norm: ``max_grad_norm`` as :func:`check_max_grad_norm` returned it.
+      skip: the ``skip`` extra argument, or ``None``.
+      new_states: ``(g, *olds) -> news``.
+      direction: ``(g, *news) -> d``, the step direction before weight decay.
+
+    Returns:
+      The update tree and a tuple of the new state trees, each old state's dtype.
+    """
+    decay = value_at(weight_decay, count)
+    lr = value_at(learning_rate, count)
+    skip_decay = is_zero_constant(weight_decay)
+    flags = decay_flags(mask, params)
+    if clip_norm is not None:
+        factor = clip_factor(global_norm(updates), clip_norm)
+
+    def leaf(g, p, decayed, *olds):
+        if clip_norm is not None:
+            g = g * scalar_as(factor, g)
+
+        def update_from(g, *news):
+            u = direction(g, *news)
+            if decayed and not skip_decay:
+                u = u + decay * p
+            return descend(u, lr, scheduled=callable(learning_rate))
+
+        u, news = gated_step(skip, g, olds, new_states, update_from)
+        return (u, *news)
+
+    out = jax.tree.map(leaf, updates, params, flags, *states)
+    inner = jax.tree.structure((0,) * (len(states) + 1))
+    new_updates, *news = jax.tree.transpose(jax.tree.structure(updates), inner, out)
+    return new_updates, tuple(news)
+
+
+def decoupled_optimizer(
+    name: str,
+    state_type: Callable[..., Any],
+    init_states: Callable[[PyTree], tuple[PyTree, ...]],
+    step_rules: Callable[[jax.Array], tuple[Callable[..., Any], Callable[..., jax.Array]]],
+    learning_rate: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule,
+    mask: MaskOrFn,
+    clip_norm: float | None,
+) -> optax.GradientTransformationExtraArgs:
+    """An optimizer with decoupled weight decay made of per-leaf rules (AdamW-R, Lion-R).
+
+    Its state is ``state_type(count, *states)``: an int32 step count (advanced unless a
+    step is skipped) and the per-leaf state trees, ``init_states(params)`` at first. Each
+    ``update`` calls ``step_rules(count + 1)`` for the step's ``(new_states, direction)``
+    and runs :func:`decoupled_step` with them, at the old count for the schedules.
+
+    Args:
+      name: the optimizer's name, for the error when ``update`` gets no parameters.
+      state_type: the state's ``NamedTuple``, fields ``count`` and then the state trees.
+      init_states: ``params -> (state tree, ...)``.
+      step_rules: ``count_inc -> (new_states, direction)``, as :func:`decoupled_step`
+        takes them (bias corrections and the like are functions of ``count_inc``).
+      learning_rate, weight_decay, mask: as the optimizers take them.
+      clip_norm: ``max_grad_norm`` as :func:`check_max_grad_norm` returned it.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes an optional
+      ``skip`` (a traced boolean): where true the update is zero and the state unchanged
+      bit for bit (what :func:`resireduce_jax.skip_nonfinite` relies on).
+    """
+
+    def init_fn(params: optax.Params) -> Any:
+        return state_type(jnp.zeros([], jnp.int32), *init_states(params))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: Any,
+        params: optax.Params | None = None,
+        *,
+        skip: jax.Array | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, Any]:
+        del extra_args
+        require_params(params, f"{name} needs the parameters for weight decay")
+        count_inc = optax.safe_increment(state.count)
+        new_states, direction = step_rules(count_inc)
+        new_updates, news = decoupled_step(
+            updates,
+            tuple(state[1:]),
+            params,
+            count=state.count,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            mask=mask,
+            clip_norm=clip_norm,
+            skip=skip,
+            new_states=new_states,
+            direction=direction,
+        )
+        count = count_inc if skip is None else jnp.where(skip, state.count, count_inc)
+        return new_updates, state_type(count, *news)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -36,17 +36,9 @@ import optax
 from resireduce_jax.optimizers._common import (
     MaskOrFn,
     ScalarOrSchedule,
-    check_beta,
+    check_hyperparameters,
     check_max_grad_norm,
-    check_non_negative,
-    clip_factor,
-    decay_flags,
-    descend,
-    gated_step,
-    global_norm,
-    is_zero_constant,
-    scalar_as,
-    value_at,
+    decoupled_optimizer,
 )
 
 __all__ = ["AdamWRState", "adamw_r"]
@@ -119,74 +111,45 @@ def adamw_r(
       Reutilization", PRCV 2024, §3.1 (AdamW-R, Algorithm 1).
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
-    check_beta("b1", b1)
-    check_beta("b2", b2)
-    check_non_negative("eps", eps)
-    check_non_negative("eps_root", eps_root)
-    check_non_negative("learning_rate", learning_rate)
-    check_non_negative("weight_decay", weight_decay)
+    check_hyperparameters(
+        learning_rate,
+        weight_decay,
+        betas={"b1": b1, "b2": b2},
+        non_negative={"eps": eps, "eps_root": eps_root},
+    )
     clip_norm = check_max_grad_norm(max_grad_norm)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    skip_decay = is_zero_constant(weight_decay)
 
-    def init_fn(params: optax.Params) -> AdamWRState:
-        return AdamWRState(
-            count=jnp.zeros([], jnp.int32),
-            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-            nu=optax.tree.zeros_like(params),
-        )
+    def init_states(params: optax.Params) -> tuple[optax.Updates, optax.Updates]:
+        return optax.tree.zeros_like(params, dtype=mu_dtype), optax.tree.zeros_like(params)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: AdamWRState,
-        params: optax.Params | None = None,
-        *,
-        skip: jax.Array | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, AdamWRState]:
-        del extra_args
-        if params is None:
-            raise ValueError(
-                "adamw_r needs the parameters for weight decay: call "
-                "tx.update(grads, opt_state, params)."
-            )
-        count_inc = optax.safe_increment(state.count)
+    def step_rules(count_inc: jax.Array):
         bias1 = 1 - b1**count_inc
         bias2 = 1 - b2**count_inc
         bias1_next = 1 - b1 ** optax.safe_increment(count_inc) if nesterov else None
-        decay = value_at(weight_decay, state.count)
-        lr = value_at(learning_rate, state.count)
-        flags = decay_flags(mask, params)
-        if clip_norm is not None:
-            factor = clip_factor(global_norm(updates), clip_norm)
 
-        def leaf(g, mu, nu, p, decayed):
-            if clip_norm is not None:
-                g = g * scalar_as(factor, g)
+        def new_moments(g, mu, nu):
+            return (1 - b1) * g + b1 * mu, (1 - b2) * (g * g) + b2 * nu
 
-            def new_moments(g, mu, nu):
-                return (1 - b1) * g + b1 * mu, (1 - b2) * (g * g) + b2 * nu
+        def direction(g, mu_new, nu_new):
+            if nesterov:
+                mu_hat = b1 * (mu_new / bias1_next.astype(mu_new.dtype)) + (1 - b1) * (
+                    g / bias1.astype(g.dtype)
+                )
+            else:
+                mu_hat = mu_new / bias1.astype(mu_new.dtype)
+            nu_hat = nu_new / bias2.astype(nu_new.dtype)
+            return mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
 
-            def update_from(g, mu_new, nu_new):
-                if nesterov:
-                    mu_hat = b1 * (mu_new / bias1_next.astype(mu_new.dtype)) + (1 - b1) * (
-                        g / bias1.astype(g.dtype)
-                    )
-                else:
-                    mu_hat = mu_new / bias1.astype(mu_new.dtype)
-                nu_hat = nu_new / bias2.astype(nu_new.dtype)
-                u = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
-                if decayed and not skip_decay:
-                    u = u + decay * p
-                return descend(u, lr, scheduled=callable(learning_rate))
+        return new_moments, direction
 
-            u, (mu_new, nu_new) = gated_step(skip, g, (mu, nu), new_moments, update_from)
-            return u, mu_new, nu_new
-
-        out = jax.tree.map(leaf, updates, state.mu, state.nu, params, flags)
-        treedef = jax.tree.structure(updates)
-        new_updates, mu, nu = jax.tree.transpose(treedef, jax.tree.structure((0, 0, 0)), out)
-        count = count_inc if skip is None else jnp.where(skip, state.count, count_inc)
-        return new_updates, AdamWRState(count=count, mu=mu, nu=nu)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return decoupled_optimizer(
+        "adamw_r",
+        AdamWRState,
+        init_states,
+        step_rules,
+        learning_rate,
+        weight_decay,
+        mask,
+        clip_norm,
+    )

@@ -89,11 +89,12 @@ from resireduce_jax.optimizers._common import (
     MaskOrFn,
     ScalarOrSchedule,
     check_beta,
+    check_hyperparameters,
     check_max_grad_norm,
-    check_non_negative,
     decay_flags,
     global_norm,
     is_zero_constant,
+    require_params,
     scalar_as,
     scalar_dtype,
     value_at,
@@ -187,12 +188,9 @@ def adan_r(
       Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
       Models", TPAMI 2024, Algorithm 1; official code sail-sg/Adan.
     """
-    check_beta("b1", b1)
-    check_beta("b2", b2)
-    check_beta("b3", b3)
-    check_non_negative("eps", eps)
-    check_non_negative("learning_rate", learning_rate)
-    check_non_negative("weight_decay", weight_decay)
+    check_hyperparameters(
+        learning_rate, weight_decay, betas={"b1": b1, "b2": b2, "b3": b3}, non_negative={"eps": eps}
+    )
     clip_norm = check_max_grad_norm(max_grad_norm)
     skip_decay = is_zero_constant(weight_decay)
 
@@ -215,11 +213,7 @@ def adan_r(
         **extra_args: Any,
     ) -> tuple[optax.Updates, AdanRState]:
         del extra_args
-        if params is None:
-            raise ValueError(
-                "adan_r needs the parameters for its weight decay: call "
-                "tx.update(grads, opt_state, params)."
-            )
+        require_params(params, "adan_r needs the parameters for its weight decay")
         first = state.count == 0
         step = optax.safe_increment(state.count)
         # Scalars in float32, or float64 for float64 params (jax_enable_x64): see

@@ -35,16 +35,9 @@ from resireduce_jax.optimizers._common import (
     MaskOrFn,
     ScalarOrSchedule,
     check_beta,
+    check_hyperparameters,
     check_max_grad_norm,
-    check_non_negative,
-    clip_factor,
-    decay_flags,
-    descend,
-    gated_step,
-    global_norm,
-    is_zero_constant,
-    scalar_as,
-    value_at,
+    decoupled_optimizer,
 )
 
 __all__ = ["LionRState", "lion_r"]
@@ -112,60 +105,24 @@ def lion_r(
         why="Lion-R rebuilds the step direction from the new momentum as "
         "g + (b1/b2)(m_new - g), which divides by b2.",
     )
-    check_non_negative("learning_rate", learning_rate)
-    check_non_negative("weight_decay", weight_decay)
+    check_hyperparameters(learning_rate, weight_decay)
     clip_norm = check_max_grad_norm(max_grad_norm)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    skip_decay = is_zero_constant(weight_decay)
     ratio = b1 / b2
 
-    def init_fn(params: optax.Params) -> LionRState:
-        return LionRState(
-            count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype)
-        )
+    def init_states(params: optax.Params) -> tuple[optax.Updates]:
+        return (optax.tree.zeros_like(params, dtype=mu_dtype),)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: LionRState,
-        params: optax.Params | None = None,
-        *,
-        skip: jax.Array | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, LionRState]:
-        del extra_args
-        if params is None:
-            raise ValueError(
-                "lion_r needs the parameters for weight decay: call "
-                "tx.update(grads, opt_state, params)."
-            )
-        decay = value_at(weight_decay, state.count)
-        lr = value_at(learning_rate, state.count)
-        flags = decay_flags(mask, params)
-        if clip_norm is not None:
-            factor = clip_factor(global_norm(updates), clip_norm)
+    def new_momentum(g, mu):
+        return ((1 - b2) * g + b2 * mu,)
 
-        def leaf(g, mu, p, decayed):
-            if clip_norm is not None:
-                g = g * scalar_as(factor, g)
+    def direction(g, mu_new):
+        return jnp.sign(g + ratio * (mu_new - g))
 
-            def new_momentum(g, mu):
-                return ((1 - b2) * g + b2 * mu,)
+    def step_rules(count_inc: jax.Array):
+        del count_inc  # Lion has no bias correction
+        return new_momentum, direction
 
-            def update_from(g, mu_new):
-                u = jnp.sign(g + ratio * (mu_new - g))
-                if decayed and not skip_decay:
-                    u = u + decay * p
-                return descend(u, lr, scheduled=callable(learning_rate))
-
-            u, (mu_new,) = gated_step(skip, g, (mu,), new_momentum, update_from)
-            return u, mu_new
-
-        out = jax.tree.map(leaf, updates, state.mu, params, flags)
-        new_updates, mu = jax.tree.transpose(
-            jax.tree.structure(updates), jax.tree.structure((0, 0)), out
-        )
-        count = optax.safe_increment(state.count)
-        count = count if skip is None else jnp.where(skip, state.count, count)
-        return new_updates, LionRState(count=count, mu=mu)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return decoupled_optimizer(
+        "lion_r", LionRState, init_states, step_rules, learning_rate, weight_decay, mask, clip_norm
+    )

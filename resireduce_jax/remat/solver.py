@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,7 @@ __all__ = [
     "RotorTable",
     "RunStage",
     "Solution",
+    "all_plans",
     "predict",
     "solve",
 ]
@@ -291,6 +292,22 @@ class _Model:
             return max(sweep, self.need(first.body, j))
         # [j, t) holds x_j; its backward frees x_j and δ_t and leaves δ_j for the body.
         return max(sweep, self.a[j] + self.need(rest, t), self.need(first.body, j))
+
+
+def all_plans(start: int, end: int) -> Iterator[tuple[PlanItem, ...]]:
+    """Every plan of stages ``[start, end)`` that the dynamic program can express, as item
+    tuples (``Plan(items, n)`` for ``all_plans(0, n)``): the search space of :func:`solve`,
+    for brute-force checks. Their number grows like the large Schröder numbers (1, 2, 6,
+    22, 90 for 1 to 5 stages)."""
+    if end == start + 1:
+        yield (RunStage(start),)
+        return
+    for rest in all_plans(start + 1, end):
+        yield (RunStage(start), *rest)
+    for j in range(start + 1, end):
+        for body in all_plans(start, j):
+            for rest in all_plans(j, end):
+                yield (Checkpoint(start, j, body), *rest)
 
 
 def _held_bytes(costs: ChainCosts) -> int:
