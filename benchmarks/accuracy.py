@@ -10,7 +10,8 @@ under every exchange variant and several seeds, with nothing else changed:
 * ``ef``: top-k with plain error feedback, one residual per compressed leaf (the baseline);
 * ``a``, ``w``, ``2d``, ``w+2d``: ResiReduce's reduced residuals (shared average / weighted
   residual per group of same-shape leaves, 2-D intra-layer residual, both);
-* ``w+2d+bf16``: ``w+2d`` with its residuals stored in bfloat16 (beyond the paper).
+* ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals stored in bfloat16
+  (beyond the paper).
 
 Seeds change the parameter initialization, the data order and the per-step PRNG keys;
 seed ``s`` is the same for every variant, so differences between variants are paired.
@@ -78,7 +79,7 @@ from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
 # Exchange variants (train/compiled_step.py vocabulary: "+bf16" = bfloat16 residuals;
 # "dgc": DGC's own memory, SGD tasks only).
-VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "2d", "w+2d", "w+2d+bf16")
+VARIANTS = ("dense", "none", "ef", "ef+bf16", "dgc", "a", "w", "2d", "w+2d", "w+2d+bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +534,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "Recipes: " + "; ".join(f"`{r}`: {RECIPES[r].description}" for r in recipes) + ".",
         "",
         f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
-        "only `compression.variant` (and, for w+2d+bf16, `compression.residual_dtype`) differs "
+        "only `compression.variant` (and, for +bf16, `compression.residual_dtype`) differs "
         "between rows of a task. Same seed = same init, data order and PRNG keys. Residual "
         "bytes are what one worker keeps between steps (from the run's memory report).",
         "",
