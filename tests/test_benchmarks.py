@@ -123,6 +123,11 @@ def test_with_variant_spells_bf16_residuals():
     assert config.compression.variant == "w+2d"
     assert config.compression.residual_dtype == "bfloat16"
     assert compiled_step.variant_label(config) == "w+2d+bf16"
+    for plain in ("ef", "w+2d"):  # the suffix decides, not the config it starts from
+        config_of_plain = compiled_step.with_variant(config, plain)
+        assert config_of_plain.compression.residual_dtype == ""
+        assert compiled_step.variant_label(config_of_plain) == plain
+    assert compiled_step.variant_label(compiled_step.with_variant(config, "ef+bf16")) == "ef+bf16"
     with pytest.raises(ValueError, match="variant"):
         compiled_step.with_variant(config, "w+3d")
 

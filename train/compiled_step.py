@@ -72,14 +72,16 @@ MiB = 2**20
 def with_variant(
     config: ml_collections.ConfigDict, variant: str | None
 ) -> ml_collections.ConfigDict:
-    """A copy of ``config`` whose compression is ``variant`` (``+bf16``: bf16 residuals)."""
+    """A copy of ``config`` whose compression is ``variant``: ``"w+2d+bf16"`` stores its
+    residuals in bfloat16, ``"w+2d"`` or ``"ef"`` in the gradients' dtype, whatever the
+    config's ``residual_dtype`` (``None``: the config as it is)."""
     config = config.copy_and_resolve_references()
     if variant is None:
         return config
     with config.unlocked():
-        if variant.endswith(BF16_SUFFIX):
-            config.compression.residual_dtype = "bfloat16"
-            variant = variant.removesuffix(BF16_SUFFIX)
+        bf16 = variant.endswith(BF16_SUFFIX)
+        config.compression.residual_dtype = "bfloat16" if bf16 else ""
+        variant = variant.removesuffix(BF16_SUFFIX)
         if variant not in config_schema.VARIANTS:
             raise ValueError(
                 f"variant {variant!r}; choose one of {list(config_schema.VARIANTS)}, "

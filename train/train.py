@@ -187,9 +187,10 @@ def build_run(
     else:
         total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
     # The guarded chain (hierarchical with local_devices); the memory report's baseline is
-    # plain error feedback, flat: every device keeps a full residual.
+    # plain error feedback, flat: every device keeps a full residual in the gradients' dtype.
     tx = compiled_step.build_train_tx(config, steps_per_epoch, total_steps)
-    baseline_tx = factory.build_tx(config, steps_per_epoch, total_steps, variant="ef")
+    baseline = compiled_step.with_variant(config, "ef")
+    baseline_tx = factory.build_tx(baseline, steps_per_epoch, total_steps)
     return Run(
         config=config,
         dataset=dataset,
