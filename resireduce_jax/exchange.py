@@ -899,10 +899,16 @@ def dense_bytes(params: PyTree) -> int:
     )
 
 
-def singleton_stores(params: PyTree, min_size: int, kind: str) -> list[stores.StorePlan]:
-    """One ``kind`` store (``"none"`` or ``"leaf"``) per compressed leaf, labelled by path."""
+def singleton_stores(
+    params: PyTree, min_size: int, kind: str, dtype: Any = None
+) -> list[stores.StorePlan]:
+    """One ``kind`` store (``"none"`` or ``"leaf"``) per compressed leaf, labelled by path,
+    its residual in ``dtype`` (``None``: the leaf's)."""
     groups = grouping_lib.resolve(params, grouping_lib.each_leaf(), min_size)
-    return [stores.StorePlan(group=g, kind=kind, dtype=g.dtype) for g in groups]
+    return [
+        stores.StorePlan(group=g, kind=kind, dtype=g.dtype if dtype is None else np.dtype(dtype))
+        for g in groups
+    ]
 
 
 # ------------------------------------------------------------- state surgery (per worker)

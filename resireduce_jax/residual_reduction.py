@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from resireduce_jax import grouping as grouping_lib
@@ -34,7 +33,7 @@ from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.exchange import DEFAULT_MIN_SIZE, AxisName, ExchangeTransformation, exchange
 from resireduce_jax.layer_stacks import LayerStacks
-from resireduce_jax.transforms import check_compressor, check_min_size
+from resireduce_jax.transforms import check_compressor, check_min_size, check_residual_dtype
 from resireduce_jax.tree_paths import leaf_paths
 
 PyTree = Any
@@ -272,8 +271,7 @@ def resireduce(
     if row_ratio is not None:
         _check_ratio("row_ratio", row_ratio)
     _check_ratio("col_ratio", col_ratio)
-    if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
-        raise ValueError(f"residual_dtype must be a floating dtype, got {residual_dtype!r}.")
+    check_residual_dtype(residual_dtype)
     if grouping is None:
         grouping = grouping_lib.auto()
     options = dict(

@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax.numpy as jnp
+
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.compressors.schedule import Phased
 from resireduce_jax.exchange import (
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "check_compressor",
     "check_min_size",
+    "check_residual_dtype",
     "compressed_mean",
     "error_feedback",
 ]
@@ -52,6 +55,13 @@ def check_min_size(min_size: Any) -> int:
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}.")
     return min_size
+
+
+def check_residual_dtype(residual_dtype: Any) -> Any:
+    """Validates ``residual_dtype`` (``None`` or a floating dtype)."""
+    if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
+        raise ValueError(f"residual_dtype must be a floating dtype, got {residual_dtype!r}.")
+    return residual_dtype
 
 
 def check_compressor(compressor: Any) -> Compressor | Phased:
@@ -74,15 +84,17 @@ def _singleton_exchange(
     layer_stacks: LayerStacks | None,
     min_size: int,
     seed: int,
+    residual_dtype: Any = None,
 ) -> ExchangeTransformation:
     """The exchange whose every compressed leaf is a store of its own: with a residual
-    (``kind="leaf"``, :func:`error_feedback`) or without (``"none"``,
-    :func:`compressed_mean`); arguments checked, named ``name``."""
+    (``kind="leaf"``, :func:`error_feedback`, in ``residual_dtype``) or without
+    (``"none"``, :func:`compressed_mean`); arguments checked, named ``name``."""
     min_size = check_min_size(min_size)
+    dtype = check_residual_dtype(residual_dtype)
     return exchange(
         check_compressor(compressor),
         axis_name,
-        planner=functools.partial(singleton_stores, min_size=min_size, kind=kind),
+        planner=functools.partial(singleton_stores, min_size=min_size, kind=kind, dtype=dtype),
         min_size=min_size,
         seed=seed,
         name=name,
@@ -140,6 +152,7 @@ def error_feedback(
     layer_stacks: LayerStacks | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
+    residual_dtype: Any = None,
 ) -> ExchangeTransformation:
     """Compressed averaging with error feedback: every compressed leaf keeps its own residual.
 
@@ -167,15 +180,26 @@ def error_feedback(
         unstacked pytree (:mod:`resireduce_jax.layer_stacks`). ``None``: no stacks.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys of randomized compressors.
+      residual_dtype: storage dtype of the residuals (e.g. ``jnp.bfloat16``: half of
+        float32's bytes; the new residual is rounded to it, so mass is conserved up to
+        that rounding); default: each leaf's dtype. Beyond the paper.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
       :class:`~resireduce_jax.exchange.ExchangeState`; ``residuals`` maps each compressed
-      leaf's path to its residual (leaf shape and dtype). ``update`` takes an optional
-      ``skip``, a boolean scalar equal on all workers: zero output, counters unchanged, and
-      each residual becomes ``G~`` (nothing was sent); see
+      leaf's path to its residual (leaf shape, ``residual_dtype`` or the leaf's dtype).
+      ``update`` takes an optional ``skip``, a boolean scalar equal on all workers: zero
+      output, counters unchanged, and each residual becomes ``G~`` (nothing was sent); see
       :func:`resireduce_jax.skip_nonfinite`.
     """
     return _singleton_exchange(
-        "leaf", "error_feedback", compressor, axis_name, local_axis, layer_stacks, min_size, seed
+        "leaf",
+        "error_feedback",
+        compressor,
+        axis_name,
+        local_axis,
+        layer_stacks,
+        min_size,
+        seed,
+        residual_dtype,
     )

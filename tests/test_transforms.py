@@ -24,9 +24,10 @@ def _params():
     return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 
 
-def np_error_feedback(grads_per_step, density):
-    """Numpy EF (paper §2.2): per worker G~ = G + R; send topk(G~); R = G~ - sent."""
-    residual = {k: np.zeros((W, *SHAPES[k]), np.float32) for k in COMPRESSED}
+def np_error_feedback(grads_per_step, density, residual_dtype=np.float32):
+    """Numpy EF (paper §2.2): per worker G~ = G + R; send topk(G~); R = G~ - sent, stored
+    rounded to ``residual_dtype`` and read back in float32."""
+    residual = {k: np.zeros((W, *SHAPES[k]), residual_dtype) for k in COMPRESSED}
     outputs = []
     for grads in grads_per_step:
         out = {}
@@ -34,9 +35,9 @@ def np_error_feedback(grads_per_step, density):
             if name not in COMPRESSED:
                 out[name] = g.astype(np.float64).mean(0)
                 continue
-            comp = g + residual[name]  # float32, like the transform
+            comp = g + residual[name].astype(np.float32)  # float32, like the transform
             sent = np.stack([th.np_topk_sparsify(comp[w], density) for w in range(W)])
-            residual[name] = comp - sent
+            residual[name] = (comp - sent).astype(residual_dtype)
             out[name] = sent.astype(np.float64).mean(0)
         outputs.append(out)
     return outputs, residual
@@ -61,6 +62,24 @@ def test_error_feedback_matches_numpy_reference(grads):
         np.testing.assert_array_equal(state.residuals[name], ref_residual[name])
     assert set(state.residuals) == set(COMPRESSED)  # "b" and "small" travel dense
     np.testing.assert_array_equal(state.count, np.full(W, len(grads)))
+
+
+def test_error_feedback_stores_residuals_in_residual_dtype(grads):
+    """bfloat16 residuals: the numpy EF whose residual is rounded to bfloat16 each step."""
+    density = 0.05
+    tx = rr.error_feedback(
+        rr.compressors.topk(density), min_size=MIN_SIZE, residual_dtype=jnp.bfloat16
+    )
+    outputs, state = th.run_shard_map(tx, _params(), grads)
+    ref_outputs, ref_residual = np_error_feedback(grads, density, jnp.bfloat16)
+    for name in COMPRESSED:
+        assert state.residuals[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(state.residuals[name], ref_residual[name])
+    for out, ref in zip(outputs, ref_outputs, strict=True):
+        for name in SHAPES:
+            np.testing.assert_allclose(out[name][0], ref[name], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="residual_dtype must be a floating dtype"):
+        rr.error_feedback(rr.compressors.topk(density), residual_dtype=jnp.int8)
 
 
 def test_error_feedback_conserves_mass_every_worker_every_step(grads):

@@ -25,12 +25,11 @@ variant    exchange                                      ``inter``     ``intra``
 =========  ============================================  ============  ==========
 
 (``resireduce(inter="none", intra="none")`` is error feedback too; ``ef`` uses
-``error_feedback``, or that ``resireduce`` where ``compression.residual_dtype`` stores its
-residuals in another dtype.) The residual stores of a ResiReduce plan
-(:func:`build_store_plans`) then have a ``kind`` from the same words: a group of several
-layers gets the ``inter`` kind (``average`` / ``weighted``), a single layer that
-``intra_layers`` selects gets the ``intra`` kind (``rows`` / ``2d``), any other layer a
-full ``leaf`` residual. ``dgc`` is Deep Gradient Compression's own memory
+``error_feedback``, its residuals in ``compression.residual_dtype``.) The residual
+stores of a ResiReduce plan (:func:`build_store_plans`) then have a ``kind`` from the same
+words: a group of several layers gets the ``inter`` kind (``average`` / ``weighted``), a
+single layer that ``intra_layers`` selects gets the ``intra`` kind (``rows`` / ``2d``), any
+other layer a full ``leaf`` residual. ``dgc`` is Deep Gradient Compression's own memory
 (:func:`resireduce_jax.dgc_memory`: momentum correction, local clipping, momentum factor
 masking) followed by SGD without momentum; it needs ``optimizer.name = "sgd"``.
 
@@ -195,18 +194,10 @@ def build_exchange(
     compressor = build_compressor(comp, total_steps)
     if variant == "none":
         return rr.compressed_mean(compressor, axis_name, **options)
-    if variant == "ef" and comp.residual_dtype:
-        # Error feedback whose full per-leaf residuals are stored in residual_dtype: the
-        # ResiReduce exchange without reduction (the same algorithm, stores of kind leaf).
-        return rr.resireduce(
-            compressor,
-            axis_name,
-            inter="none",
-            intra="none",
-            residual_dtype=comp.residual_dtype,
-            **options,
-        )
-    if variant in ("ef", "dgc"):
+    if variant == "ef":
+        residual_dtype = comp.residual_dtype or None
+        return rr.error_feedback(compressor, axis_name, residual_dtype=residual_dtype, **options)
+    if variant == "dgc":
         return rr.error_feedback(compressor, axis_name, **options)
     return rr.resireduce(
         compressor,
