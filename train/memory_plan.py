@@ -266,8 +266,6 @@ class StepCompiler:
         """The config that trains ``candidate``'s exchange and optimizer (remat aside)."""
         config = self.config.copy_and_resolve_references()
         with config.unlocked():
-            if not candidate.exchange.endswith(compiled_step.BF16_SUFFIX):
-                config.compression.residual_dtype = ""
             config.optimizer.name = self.optimizers[candidate.optimizer]
             config.remat.budget = ""
         return compiled_step.with_variant(config, candidate.exchange)
