@@ -169,6 +169,15 @@ def _mib(n: float) -> str:
     return f"{n / MiB:,.1f}"
 
 
+def _run_cells(r: dict[str, Any]) -> str:
+    """A training run's cells of the accuracy table: eval perplexity, eval and train loss,
+    wall seconds."""
+    return (
+        f"{r['eval']['perplexity']:.4f} | {r['eval'].get('loss', float('nan')):.5f} | "
+        f"{r['train'].get('loss', float('nan')):.5f} | {r['wall_seconds']:.0f} |"
+    )
+
+
 def markdown(payload: dict[str, Any]) -> str:
     lines = ["# Scanned layers against layers written out", ""]
     part = payload.get("compile")
@@ -212,17 +221,9 @@ def markdown(payload: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|",
         ]
         for r in part["rows"]:
-            lines.append(
-                f"| {'scanned' if r['scan_layers'] else 'written out'} | "
-                f"{r['eval']['perplexity']:.4f} | {r['eval'].get('loss', float('nan')):.5f} | "
-                f"{r['train'].get('loss', float('nan')):.5f} | {r['wall_seconds']:.0f} |"
-            )
-        r = part["next_seed"]
-        lines.append(
-            f"| written out, seed {part['seed'] + 1} | {r['eval']['perplexity']:.4f} | "
-            f"{r['eval'].get('loss', float('nan')):.5f} | "
-            f"{r['train'].get('loss', float('nan')):.5f} | {r['wall_seconds']:.0f} |"
-        )
+            name = "scanned" if r["scan_layers"] else "written out"
+            lines.append(f"| {name} | {_run_cells(r)}")
+        lines.append(f"| written out, seed {part['seed'] + 1} | {_run_cells(part['next_seed'])}")
         lines += [
             "",
             f"Perplexity scanned / written out - 1: {part['perplexity_relative_difference']:+.2e} "
