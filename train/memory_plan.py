@@ -351,6 +351,17 @@ class StepCompiler:
 
     # ------------------------------------------------------------------ compiling
 
+    def _step_arguments(self, candidate: Candidate, batch: int) -> dict[str, Any]:
+        """The arguments of ``candidate``'s step at ``batch`` per worker that
+        :func:`compiled_step.abstract_step` and :func:`compiled_step.argument_bytes` share."""
+        return dict(
+            config=self.config_for(candidate),
+            guard=self.guard,
+            batch_per_worker=batch,
+            seq_len=self.seq_len,
+            num_workers=self.num_workers,
+        )
+
     def _abstract(
         self, candidate: Candidate, batch: int, plan: remat.Plan | None, phase: int | None = None
     ):
@@ -359,11 +370,7 @@ class StepCompiler:
             task = dataclasses.replace(task, model=self.model_for(batch, plan))
         pair = (candidate.exchange, candidate.optimizer)
         abstract = compiled_step.abstract_step(
-            self.config_for(candidate),
-            guard=self.guard,
-            batch_per_worker=batch,
-            seq_len=self.seq_len,
-            num_workers=self.num_workers,
+            **self._step_arguments(candidate, batch),
             total_steps=self.total_steps,
             task=task,
             density_phase=phase,
@@ -460,12 +467,7 @@ class StepCompiler:
         return self._arguments.get(
             (candidate.exchange, candidate.optimizer, batch),
             lambda: compiled_step.argument_bytes(
-                self.config_for(candidate),
-                guard=self.guard,
-                batch_per_worker=batch,
-                seq_len=self.seq_len,
-                num_workers=self.num_workers,
-                task=self.task,
+                **self._step_arguments(candidate, batch), task=self.task
             ),
         )
 
