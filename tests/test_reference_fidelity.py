@@ -211,40 +211,21 @@ GROUPING = rr.grouping.regex(
     {r"features_(17|20|23)/kernel": "G1", r"features_(30|33)/kernel": "G2"}
 )
 INTRA_2D = r"classifier_0/kernel|word_embeddings"
+# The reference's weighted shared residual (-w) and 2-D residual (-2d); resireduce*.py (w+2d)
+# is both together.
+WEIGHTED = dict(grouping=GROUPING, inter="weighted", weight_source="compensated")
+TWO_D = dict(
+    intra="2d", intra_layers=INTRA_2D, row_ratio=0.5, col_ratio=0.5, norm_source="compensated"
+)
 # docs/reference_code.md's table: the arguments of ``resireduce`` that reproduce each reference file
 # (``None``: ``error_feedback``, which is ``resireduce(inter="none", intra="none")``).
 LIBRARY: dict[str, dict | None] = {
     "residual.py": None,
     "residual*avg*.py": dict(grouping=GROUPING, inter="average", intra="none"),
-    "residual*weight*.py": dict(
-        grouping=GROUPING, inter="weighted", weight_source="compensated", intra="none"
-    ),
-    "dimcprs.py": dict(
-        inter="none",
-        intra="2d",
-        intra_layers=r"classifier_0/kernel",
-        row_ratio=1.0,
-        col_ratio=0.5,
-        norm_source="compensated",
-    ),
-    "dimcprs2d.py": dict(
-        inter="none",
-        intra="2d",
-        intra_layers=INTRA_2D,
-        row_ratio=0.5,
-        col_ratio=0.5,
-        norm_source="compensated",
-    ),
-    "resireduce*.py": dict(
-        grouping=GROUPING,
-        inter="weighted",
-        weight_source="compensated",
-        intra="2d",
-        intra_layers=INTRA_2D,
-        row_ratio=0.5,
-        col_ratio=0.5,
-        norm_source="compensated",
-    ),
+    "residual*weight*.py": dict(WEIGHTED, intra="none"),
+    "dimcprs.py": dict(TWO_D, inter="none", intra_layers=r"classifier_0/kernel", row_ratio=1.0),
+    "dimcprs2d.py": dict(TWO_D, inter="none"),
+    "resireduce*.py": dict(WEIGHTED, **TWO_D),
 }
 
 
