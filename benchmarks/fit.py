@@ -121,37 +121,34 @@ CASES: dict[str, FitCase] = {
         ),
     ),
 }
-# --quick: reduced sizes and MiB budgets, minutes on 2 cores (CI smoke).
-QUICK: dict[str, FitCase] = {
-    "resnet50": FitCase(
-        Case("resnet50_cifar100", {"width": 8}, 4, description="ResNet-50 width 8"),
+
+
+def _quick(case: Case, *, priced: bool = True) -> FitCase:
+    """A ``--quick`` case: batches up to 256, budgets of 24 and 48 MiB (the planner call
+    timed at 24), and where ``priced`` the price timed on the same reduced model."""
+    return FitCase(
+        case,
         max_batch=256,
         budgets=(24, 48),
         unit=MiB,
         fit_budget=24,
-        price=Case("resnet50_cifar100", {"width": 8}, 4, description="ResNet-50 width 8"),
-    ),
-    "gpt2_medium": FitCase(
+        price=case if priced else None,
+    )
+
+
+# --quick: reduced sizes and MiB budgets, minutes on 2 cores (CI smoke).
+QUICK: dict[str, FitCase] = {
+    "resnet50": _quick(Case("resnet50_cifar100", {"width": 8}, 4, description="ResNet-50 width 8")),
+    "gpt2_medium": _quick(
         Case(
             "gpt2_medium_wikitext",
             {"num_layers": 3, "width": 128, "num_heads": 4, "vocab_size": 4096, "max_len": 64},
             2,
             seq_len=64,
             description="GPT-2 3 blocks of width 128, vocab 4096, 64 tokens",
-        ),
-        max_batch=256,
-        budgets=(24, 48),
-        unit=MiB,
-        fit_budget=24,
-        price=Case(
-            "gpt2_medium_wikitext",
-            {"num_layers": 3, "width": 128, "num_heads": 4, "vocab_size": 4096, "max_len": 64},
-            2,
-            seq_len=64,
-            description="GPT-2 3 blocks of width 128, vocab 4096, 64 tokens",
-        ),
+        )
     ),
-    "bert_base": FitCase(
+    "bert_base": _quick(
         Case(
             "bert_base_squad",
             {"num_layers": 3, "width": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 4096},
@@ -159,10 +156,7 @@ QUICK: dict[str, FitCase] = {
             seq_len=64,
             description="BERT 3 layers of width 128, vocab 4096, 64 tokens",
         ),
-        max_batch=256,
-        budgets=(24, 48),
-        unit=MiB,
-        fit_budget=24,
+        priced=False,
     ),
 }
 
