@@ -7,6 +7,7 @@ Adan code (sail-sg/Adan ``adan.py``, written here independently of the library),
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import chex
@@ -490,7 +491,10 @@ def test_optimizer_step_and_donated_train_step_compute_the_update(name):
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     for _ in range(3):
         p, s = step(p, s, jax.grad(loss_fn)(p, batch))
-    chex.assert_trees_all_close(p, expected, rtol=1e-6, atol=1e-7)
+    # Other programs than the reference's op-by-op ones (fused, donated): float32 rounding
+    # may differ in the last bits (up to 2e-6 relative in a few elements after 3 steps).
+    close = functools.partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6)
+    close(p, expected)
 
     @jax.jit
     def train_step(p, s, x):
@@ -502,7 +506,7 @@ def test_optimizer_step_and_donated_train_step_compute_the_update(name):
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     for _ in range(3):
         p, s = donated(p, s, batch)
-    chex.assert_trees_all_close(p, expected, rtol=1e-6, atol=1e-7)
+    close(p, expected)
 
 
 # --------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ def tiny_byte_gpt(budget: str):
     c.num_workers = 4
     c.batch_size_per_worker = 2
     c.remat.budget = budget
+    # One program a run: error feedback on AdamW, no dense warm-up (remat.budget plans the
+    # model alone, whatever the exchange and its density phases).
+    c.optimizer.name = "adamw"
+    c.compression.density_schedule.dense_fraction = 0.0
     return c
 
 
