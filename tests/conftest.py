@@ -20,10 +20,11 @@ on a part of the suite measured both ways. XLA's HLO passes, scheduling and buff
 assignment are unchanged (memory figures and collectives are those of the default
 compile: ``tests/test_planner.py`` compares both; docs/design.md, "Compiling for
 analysis"), and every result is checked against a reference or a second run compiled the
-same way. The training programs the tests start (``python -m train``) and the user-like
-CPU loop of ``tests/test_parallel.py`` drop the session's ``XLA_FLAGS``, set their own and
-compile at XLA's default level; scripts started with the session's environment (the
-README's examples) compile as the session does.
+same way. The training programs the tests start (``python -m train``, through
+``train.local_job.program_env``) set their own device count and collective timeouts and
+keep the session's other flags, so they compile at level 0 too, as do the scripts started
+with the session's environment (the README's examples); the user-like CPU loop of
+``tests/test_parallel.py`` drops the session's ``XLA_FLAGS`` and compiles at XLA's default.
 """
 
 import atexit

@@ -12,16 +12,16 @@ import sys
 
 import pytest
 
+from train.local_job import program_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "train", *args],
         cwd=ROOT,
-        env=env,
+        env=program_env(JAX_PLATFORMS="cpu"),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -26,7 +26,7 @@ import pytest
 
 from tests.test_multiprocess import JOB
 from train import supervisor
-from train.local_job import ROOT, LocalJob, committed_steps
+from train.local_job import ROOT, LocalJob, committed_steps, program_env
 
 TIMEOUT_S = 5  # --collective_timeout_s: the survivor stops this long after the loss
 # Long enough that the kill lands mid-run; checkpoints every 6 steps.
@@ -151,8 +151,7 @@ def test_the_printed_command_resumes_from_the_printed_checkpoint(tmp_path):
     assert code == supervisor.EXIT_PEER_LOST
     latest = int(CHECKPOINT.search(message).group(1))
     command = shlex.split(message.splitlines()[2])
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
+    env = program_env()
     commands = [command, [a.replace("--process_id=0", "--process_id=1") for a in command]]
     procs = [
         subprocess.Popen(

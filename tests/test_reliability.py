@@ -19,6 +19,7 @@ import pytest
 from tests.test_train import small_digits
 from train import checkpointing, train
 from train import metrics as metrics_lib
+from train.local_job import program_env
 
 CONFIG = {"checkpoint_every": 4, "keep_checkpoints": 10, "log_every": 1}
 
@@ -156,8 +157,7 @@ def test_fault_campaign_quick_mode_resumes_bit_identically(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the jobs set theirs
-    env["PYTHONPATH"] = root  # this checkout's train package, whatever is installed
+    env = program_env()  # this checkout's train package, whatever is installed
     done = subprocess.run(
         [sys.executable, "faults.py", "--quick", f"--workdir={tmp_path}"],
         cwd=os.path.join(root, "benchmarks"),

@@ -30,6 +30,7 @@ __all__ = [
     "LocalJob",
     "committed_steps",
     "free_port",
+    "program_env",
 ]
 
 #: The repository root: the processes run there, so ``config`` paths are relative to it.
@@ -42,6 +43,25 @@ RUN_TIMEOUT_S = 300
 DIGEST = re.compile(r"Process (\d+): params sha256 ([0-9a-f]{64})")
 STOPPED = re.compile(r"Stopping: checkpointed step (\d+)\.")
 RESUMED = re.compile(r"Resumed from checkpoint at step (\d+)")
+
+
+# XLA flags the training program derives from its own config and command line (devices
+# per process from num_workers / processes, --collective_timeout_s): a caller's must not
+# win over them (runtime.configure_cpu keeps flags already set).
+_PROGRAM_XLA_FLAGS = ("--xla_force_host_platform_device_count=", "--xla_cpu_collective_call_")
+
+
+def program_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a started training program: ``PYTHONPATH`` at this
+    checkout, output unbuffered, and ``XLA_FLAGS`` without the flags the program sets for
+    itself (:data:`_PROGRAM_XLA_FLAGS`); the caller's other XLA flags (a compile option,
+    a dump directory) pass through. ``extra`` is added last."""
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    kept = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(_PROGRAM_XLA_FLAGS)]
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    env.update(extra)
+    return env
 
 
 def free_port() -> int:
@@ -87,8 +107,7 @@ class LocalJob:
         self.log_paths = [f"{self.workdir}.run{launch}.p{i}.log" for i in range(num_processes)]
         os.makedirs(os.path.dirname(os.path.abspath(self.workdir)), exist_ok=True)
         port = free_port()
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-        env.pop("XLA_FLAGS", None)  # the program sets its own (num_workers / processes)
+        env = program_env()
         args = [f"--config={config}", f"--workdir={self.workdir}"]
         args += [f"--config.{k}={v}" for k, v in overrides.items()]
         args += list(flags)
