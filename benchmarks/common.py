@@ -62,6 +62,15 @@ class Case:
         return config
 
 
+# The CPU-sized VGG-19 that peak_memory.py and step_time.py both measure.
+VGG19 = Case(
+    "vgg19_cifar100",
+    {"width": 16, "classifier_width": 1024},
+    batch_per_worker=8,
+    description="VGG-19-bn (16 convs), width 16, classifier 6272x1024x1024x1000, 8 images/worker",
+)
+
+
 def environment(**extra: Any) -> dict[str, Any]:
     """Versions and machine, for the head of a results JSON."""
     import jax

@@ -29,6 +29,7 @@ from common import (
     NUM_WORKERS,
     RESULTS,
     ROOT,
+    VGG19,
     Case,
     MiB,
     environment,
@@ -47,13 +48,7 @@ CASES: dict[str, Case] = {
         batch_per_worker=8,
         description="ResNet-50 (16 bottlenecks, CIFAR stem), width 32, 8 images/worker",
     ),
-    "vgg19": Case(
-        "vgg19_cifar100",
-        {"width": 16, "classifier_width": 1024},
-        batch_per_worker=8,
-        description="VGG-19-bn (16 convs), width 16, classifier 6272x1024x1024x1000, "
-        "8 images/worker",
-    ),
+    "vgg19": VGG19,
     "gpt2_medium": Case(
         "gpt2_medium_wikitext",
         {"num_layers": 3},

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 from common import (
     NUM_WORKERS,
+    VGG19,
     Case,
     add_output_arguments,
     environment,
@@ -47,13 +48,7 @@ CASES: dict[str, Case] = {
         batch_per_worker=8,
         description="ResNet-50 (16 bottlenecks), width 16, 8 images/worker",
     ),
-    "vgg19": Case(
-        "vgg19_cifar100",
-        {"width": 16, "classifier_width": 1024},
-        batch_per_worker=8,
-        description="VGG-19-bn (16 convs), width 16, classifier 6272x1024x1024x1000, "
-        "8 images/worker",
-    ),
+    "vgg19": VGG19,
     "gpt2": Case(
         "gpt2_medium_wikitext",
         {"num_layers": 6, "width": 256, "num_heads": 4, "vocab_size": 8192, "max_len": 128},
