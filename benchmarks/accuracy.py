@@ -44,10 +44,11 @@ recipe and variant: ``base`` (the config as it is), ``lr_warmup`` (a linear lear
 warm-up over the first 5 % of the steps), ``dense_warmup`` (the first 5 % of the steps
 uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % over the first
 20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
-``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up) and ``recipe`` (the
-configs' recommended default, :data:`RECOMMENDED`). DGC's own memory is the variant ``dgc``
-(SGD tasks). Every run reports the bytes one worker sent over the run against a dense
-exchange's (``summary.json``), so a remedy is judged by quality and bytes together.
+``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
+``configs/byte_gpt.py``). DGC's own memory is the variant ``dgc`` (SGD tasks; its momentum
+factor masking refuses a dense phase, so not with ``dense_warmup`` or ``cm``). Every run
+reports the bytes one worker sent over the run against a dense exchange's
+(``summary.json``), so a remedy is judged by quality and bytes together.
 
 Tasks can be added to an earlier result with ``--merge`` (the README's figures were
 produced that way: ``--tasks byte_gpt_deep --merge`` after the first two tasks).
@@ -296,11 +297,12 @@ def build_config(
 
 def applicable(task: Task, recipe: str, variant: str) -> bool:
     """Whether a (recipe, variant) row makes sense on ``task``: dense only as the base, DGC's
-    memory only on SGD tasks and not with compressed momentum."""
+    memory only on SGD tasks, and neither with compressed momentum nor after a dense phase
+    (momentum factor masking would clear the whole momentum every dense step)."""
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":
-        return task.sgd and recipe != "cm"
+        return task.sgd and recipe not in ("cm", "dense_warmup")
     return True
 
 

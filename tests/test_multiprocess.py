@@ -114,10 +114,10 @@ def assert_close_to_one_process(multi_dir: str, config, single_dir: str) -> None
     np.testing.assert_allclose(loss(multi_dir), loss(single_dir), rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-process x 2-device run of JOB (its tests share one pytest-xdist
-    worker, ``xdist_group``)."""
+    """The uninterrupted 2-process x 2-device run of JOB (kept for the session: a
+    pytest-xdist worker may run other modules' tests between this one's)."""
     workdir = str(tmp_path_factory.mktemp("multiprocess") / "reference")
     run_to_completion(workdir, 2)
     return workdir
@@ -144,7 +144,6 @@ def test_two_processes_match_one_process_with_the_same_devices_per_process(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multiprocess_reference")
 def test_two_by_two_processes_are_close_to_one_process_with_four_workers(reference, tmp_path):
     """2 processes x 2 devices vs 1 process x 4 workers: same losses, params within 5 %.
 
@@ -293,7 +292,6 @@ def test_one_by_eight_and_two_by_four_differ_only_by_the_dense_all_reduce(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multiprocess_reference")
 def test_sigterm_then_sigkill_then_resume_is_bit_identical(reference, tmp_path):
     """A preempted job (SIGTERM), resumed, then killed (SIGKILL), then resumed to the end.
 

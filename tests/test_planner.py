@@ -465,10 +465,10 @@ class _SharedPrograms(planner.OnceMap):
         return super().get(key, lambda: self._programs.get(key, compute))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gpt_compilers():
-    """The same candidates searched exhaustively and with pruning (caches kept per module;
-    the tests that take them share one pytest-xdist worker, ``xdist_group``).
+    """The same candidates searched exhaustively and with pruning (caches kept for the
+    session: a pytest-xdist worker may run other modules' tests between this one's).
 
     The pruned compiler counts its own compilations and takes the programs (and the
     chains rotor measures) that the exhaustive one compiled already.
@@ -493,7 +493,6 @@ def _same_program(a: Compiled, b: Compiled) -> bool:
     )
 
 
-@pytest.mark.xdist_group("planner_gpt_compilers")
 def test_the_pruned_fit_chooses_what_the_exhaustive_fit_chooses(gpt_compilers):
     exhaustive, pruned = gpt_compilers
     candidates = exhaustive.candidates()
@@ -548,7 +547,6 @@ def test_the_pruned_batch_search_finds_the_exhaustive_batches():
     assert want.search(candidates[0]).batch == 40
 
 
-@pytest.mark.xdist_group("planner_gpt_compilers")
 def test_the_bound_is_what_the_step_holds_before_computing_and_below_its_peak(gpt_compilers):
     from train import compiled_step
 
