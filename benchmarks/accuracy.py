@@ -45,7 +45,8 @@ warm-up over the first 5 % of the steps), ``dense_warmup`` (the first 5 % of the
 uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % over the first
 20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
 ``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
-``configs/byte_gpt.py``). DGC's own memory is the variant ``dgc`` (SGD tasks; its momentum
+``configs/byte_gpt.py``), ``cm_dgc`` (``cm`` with DGC's warm-up over the 10 % of the steps
+after the dense ones). DGC's own memory is the variant ``dgc`` (SGD tasks; its momentum
 factor masking refuses a dense phase, so not with ``dense_warmup`` or ``cm``). Every run
 reports the bytes one worker sent over the run against a dense exchange's
 (``summary.json``), so a remedy is judged by quality and bytes together.
@@ -224,6 +225,7 @@ def _both(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 _DENSE_5 = {"compression.density_schedule.dense_fraction": 0.05}
+_DGC_10 = {"compression.density_schedule.dgc_fraction": 0.1}
 RECIPES: dict[str, Recipe] = {
     "base": Recipe("the task's config", *_both({})),
     # schedule.warmup_epochs is set from the dataset's epoch length (build_config).
@@ -237,6 +239,12 @@ RECIPES: dict[str, Recipe] = {
         "compressed momentum after 5 % dense steps",
         {**_DENSE_5, "optimizer.name": "compressed_momentum_adam"},
         {**_DENSE_5, "optimizer.name": "compressed_momentum_sgd"},
+    ),
+    "cm_dgc": Recipe(
+        "compressed momentum after 5 % dense steps, then DGC's warm-up (density 25 %, "
+        "6.25 %, 1.5625 %) over the next 10 %",
+        {**_DENSE_5, **_DGC_10, "optimizer.name": "compressed_momentum_adam"},
+        {**_DENSE_5, **_DGC_10, "optimizer.name": "compressed_momentum_sgd"},
     ),
 }
 LR_WARMUP_FRACTION = 0.05
@@ -302,7 +310,7 @@ def applicable(task: Task, recipe: str, variant: str) -> bool:
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":
-        return task.sgd and recipe not in ("cm", "dense_warmup")
+        return task.sgd and recipe not in ("cm", "cm_dgc", "dense_warmup")
     return True
 
 
