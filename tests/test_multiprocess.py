@@ -114,10 +114,9 @@ def assert_close_to_one_process(multi_dir: str, config, single_dir: str) -> None
     np.testing.assert_allclose(loss(multi_dir), loss(single_dir), rtol=1e-4)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-process x 2-device run of JOB (kept for the session: a
-    pytest-xdist worker may run other modules' tests between this one's)."""
+    """The uninterrupted 2-process x 2-device run of JOB."""
     workdir = str(tmp_path_factory.mktemp("multiprocess") / "reference")
     run_to_completion(workdir, 2)
     return workdir

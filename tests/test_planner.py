@@ -465,10 +465,9 @@ class _SharedPrograms(planner.OnceMap):
         return super().get(key, lambda: self._programs.get(key, compute))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gpt_compilers():
-    """The same candidates searched exhaustively and with pruning (caches kept for the
-    session: a pytest-xdist worker may run other modules' tests between this one's).
+    """The same candidates searched exhaustively and with pruning (caches kept per module).
 
     The pruned compiler counts its own compilations and takes the programs (and the
     chains rotor measures) that the exhaustive one compiled already.
