@@ -47,7 +47,7 @@ uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % ove
 ``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
 ``configs/byte_gpt.py``), ``cm_dgc`` (``cm`` with DGC's warm-up over the 10 % of the steps
 after the dense ones). DGC's own memory is the variant ``dgc`` (SGD tasks; its momentum
-factor masking refuses a dense phase, so not with ``dense_warmup`` or ``cm``). Every run
+factor masking refuses a dense phase, so not with ``dense_warmup``, ``cm`` or ``cm_dgc``). Every run
 reports the bytes one worker sent over the run against a dense exchange's
 (``summary.json``), so a remedy is judged by quality and bytes together.
 
@@ -224,7 +224,8 @@ def _both(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return overrides, overrides
 
 
-_DENSE_5 = {"compression.density_schedule.dense_fraction": 0.05}
+_DENSE_FRACTION = "compression.density_schedule.dense_fraction"
+_DENSE_5 = {_DENSE_FRACTION: 0.05}
 _DGC_10 = {"compression.density_schedule.dgc_fraction": 0.1}
 RECIPES: dict[str, Recipe] = {
     "base": Recipe("the task's config", *_both({})),
@@ -303,14 +304,22 @@ def build_config(
     return config
 
 
+def _has_dense_phase(task: Task, recipe: str) -> bool:
+    """Whether ``recipe`` on ``task`` starts with uncompressed steps (compressed momentum
+    always does: its dense warm-up estimates Adam's second moment)."""
+    overrides = {**task.overrides, **RECIPES[recipe].overrides(task)}
+    default = load_config(task.config).compression.density_schedule.dense_fraction
+    return overrides.get(_DENSE_FRACTION, default) > 0
+
+
 def applicable(task: Task, recipe: str, variant: str) -> bool:
     """Whether a (recipe, variant) row makes sense on ``task``: dense only as the base, DGC's
-    memory only on SGD tasks, and neither with compressed momentum nor after a dense phase
-    (momentum factor masking would clear the whole momentum every dense step)."""
+    memory only on SGD tasks and never after a dense phase (the config refuses it: momentum
+    factor masking would clear the whole momentum every dense step)."""
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":
-        return task.sgd and recipe not in ("cm", "cm_dgc", "dense_warmup")
+        return task.sgd and not _has_dense_phase(task, recipe)
     return True
 
 

@@ -12,9 +12,7 @@ import sys
 
 import pytest
 
-from train.local_job import program_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train.local_job import ROOT, program_env
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import pytest
 from tests.test_train import small_digits
 from train import checkpointing, train
 from train import metrics as metrics_lib
-from train.local_job import program_env
+from train.local_job import ROOT, program_env
 
 CONFIG = {"checkpoint_every": 4, "keep_checkpoints": 10, "log_every": 1}
 
@@ -156,12 +156,10 @@ def test_fault_campaign_quick_mode_resumes_bit_identically(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = program_env()  # this checkout's train package, whatever is installed
     done = subprocess.run(
         [sys.executable, "faults.py", "--quick", f"--workdir={tmp_path}"],
-        cwd=os.path.join(root, "benchmarks"),
-        env=env,
+        cwd=os.path.join(ROOT, "benchmarks"),
+        env=program_env(),  # this checkout's train package, whatever is installed
         capture_output=True,
         text=True,
         timeout=600,

@@ -45,9 +45,10 @@ STOPPED = re.compile(r"Stopping: checkpointed step (\d+)\.")
 RESUMED = re.compile(r"Resumed from checkpoint at step (\d+)")
 
 
-# XLA flags the training program derives from its own config and command line (devices
-# per process from num_workers / processes, --collective_timeout_s): a caller's must not
-# win over them (runtime.configure_cpu keeps flags already set).
+# The flags of resireduce_jax.runtime.cpu_flags that the training program derives from its
+# own config and command line (devices per process from num_workers / processes,
+# --collective_timeout_s): a caller's must not win over them (runtime.configure_cpu keeps
+# flags already set). Named here, not imported: importing the package would import JAX.
 _PROGRAM_XLA_FLAGS = ("--xla_force_host_platform_device_count=", "--xla_cpu_collective_call_")
 
 
