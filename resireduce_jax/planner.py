@@ -397,7 +397,8 @@ class Compiler(Protocol):
       without it compiles one program per configuration.
 
     Its ``fastest_fitting`` judges every configuration it tries by the peak over phases,
-    and its bounds and predictions are of the last phase, lower bounds of that maximum.
+    or, called with ``every_phase=False``, by the last phase's alone (compiling nothing
+    else); its bounds and predictions are of the last phase, lower bounds of that maximum.
     """
 
     def leanest(self, candidate: Candidate, batch: int) -> Compiled: ...
@@ -520,19 +521,35 @@ class CachedCompiler:
 
         return self._phases.get((candidate, int(batch)), compute)
 
-    def fastest_fitting(self, candidate: Candidate, batch: int, budget_bytes: int) -> Compiled:
+    def fastest_fitting(
+        self, candidate: Candidate, batch: int, budget_bytes: int, *, every_phase: bool = True
+    ) -> Compiled:
+        """The fastest configuration of ``candidate`` that fits ``budget_bytes`` in every
+        phase of the run, else its leanest; ``every_phase=False``: the fastest whose last
+        phase fits (the other phases not compiled, unless they were already)."""
         if not candidate.adaptive:
             compiled = self.leanest(candidate, batch)
             if compiled.peak_bytes > budget_bytes:  # the last phase alone does not fit
                 return compiled
+            if not every_phase:
+                return self._phases.peek((candidate, int(batch)), compiled)
             return self.over_phases(candidate, batch)
         self._check_function(candidate)
+        method = getattr(self._inner, "over_phases", None)
+        if not every_phase and method is not None:
+            return self._fitting.get(
+                (candidate, int(batch), int(budget_bytes), "last phase"),
+                lambda: _as_compiled(
+                    self._inner.fastest_fitting(
+                        candidate, int(batch), int(budget_bytes), every_phase=False
+                    )
+                ),
+            )
 
         def compute() -> Compiled:
             compiled = _as_compiled(
                 self._inner.fastest_fitting(candidate, int(batch), int(budget_bytes))
             )
-            method = getattr(self._inner, "over_phases", None)
             if (
                 method is None
                 or compiled.all_phases
@@ -575,24 +592,34 @@ class CachedCompiler:
         """Distinct configurations looked up so far (cached results counted once), and
         the other phases compiled for :meth:`over_phases`."""
         phases = sum(max(0, len(c.phase_peaks) - 1) for _, c in self._phases.items())
-        return len(self._leanest) + len(self._fitting) + phases
+        searches = {key[:3] for key, _ in self._fitting.items()}  # either judgement: one
+        return len(self._leanest) + len(searches) + phases
 
 
 def _cached(compile_fn: CompileFn | Compiler | CachedCompiler) -> CachedCompiler:
     return compile_fn if isinstance(compile_fn, CachedCompiler) else CachedCompiler(compile_fn)
 
 
+CORES_PER_COMPILE = 2
+"""Cores one XLA:CPU compilation keeps busy: its code generation is itself parallel (a
+byte-GPT step: 8.0 s of CPU in 5.8 s; docs/design.md, "Memory planning")."""
+
+
 def compile_threads(requested: int = 0) -> int:
-    """Threads to compile with: ``requested``, or for 0 the cores no other process uses.
+    """Threads to compile with: ``requested``, or for 0 one per :data:`CORES_PER_COMPILE`
+    cores that no other process uses, at least one.
 
     XLA compiles release the GIL, so candidates compile in parallel on idle cores; on a
-    machine already busy, more threads only share the same cores.
+    machine already busy, more threads only share the same cores. One thread compiles in
+    the search's order, each compilation pricing the next (:func:`fit`): more threads
+    than the cores can feed compile more candidates, each slower.
     """
     if requested > 0:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(int(cores or 1), round((cores or 1) - busy)))
+    idle = min(int(cores or 1), (cores or 1) - busy)
+    return max(1, int(idle // CORES_PER_COMPILE))
 
 
 def _run_all(
@@ -644,6 +671,9 @@ class Row:
 
     ``ruled_out``: empty for a compiled row; else why it was not compiled (its
     ``compiled.peak_bytes`` is then the bound or the prediction, ``compilations`` 0).
+    ``fits``: the peak is within the budget, over every phase of the run where
+    ``compiled.all_phases``, else over its last phase (a row :func:`fit` found slower than
+    its choice).
     """
 
     candidate: Candidate
@@ -659,6 +689,7 @@ class Row:
             "label": self.candidate.label,
             "batch_per_worker": self.batch_per_worker,
             "fits": self.fits,
+            "fits_judged_by": "every phase" if self.compiled.all_phases else "last phase",
             "step_time_estimate_s": self.step_seconds if not self.ruled_out else None,
             **self.compiled.as_dict(),
             "ruled_out": self.ruled_out,
@@ -766,7 +797,9 @@ def _table(rows: Sequence[Row], title: str, chosen: Row | None = None) -> str:
         lines.insert(
             1,
             "  (peak: the largest over the phases of the density schedule compiled; the "
-            "phases before the last are compiled when the last fits)",
+            "phases before the last are compiled for the fastest candidates whose last "
+            "phase fits, until one fits in every phase; fits 'last': its last phase fits, "
+            "the others were not compiled)",
         )
     for r in rows:
         c = r.compiled
@@ -787,7 +820,7 @@ def _table(rows: Sequence[Row], title: str, chosen: Row | None = None) -> str:
             f"{r.candidate.remat:<6s} {r.batch_per_worker:>6d} "
             f"{peak:>11s} "
             + (f"{c.peak_phase:<{width}s} " if phased else "")
-            + f"{'yes' if r.fits else 'no':>4s} "
+            + f"{('yes' if c.all_phases else 'last') if r.fits else 'no':>4s} "
             f"{overhead:>8s} {format_bytes(c.residual_bytes):>11s} "
             f"{_format_seconds(r.step_seconds):>10s} {c.compile_seconds:>7.1f}s"
         )
@@ -845,10 +878,14 @@ def fit(
     adaptive candidate (activation checkpointing) is compiled with its fastest
     configuration that fits, or its leanest when none does. For a run of several programs
     (the phases of a density schedule; see :class:`Compiler`) a candidate fits when every
-    phase does: its last phase is compiled first and the others only when that fits, the
-    row's peak is the maximum over the phases compiled and ``peak_phase`` names the phase
-    that set it. The step-time estimate is :class:`DeviceModel`'s, of the last phase (the
-    steady state); ties go to the smaller peak, then to the earlier candidate.
+    phase does. Every candidate is first judged by its last phase (the steady state); the
+    other phases are compiled only for the fastest candidate whose last phase fits (and
+    its search redone over every phase if one does not), until the fastest fits in every
+    phase: rows slower than the chosen one may be judged by their last phase alone
+    (:attr:`Compiled.all_phases` false). A row's peak is the maximum over the phases
+    compiled and ``peak_phase`` names the phase that set it. The step-time estimate is
+    :class:`DeviceModel`'s, of the last phase; ties go to the smaller peak, then to the
+    earlier candidate.
 
     A compiler with ``peak_bound`` / ``predicted_peak`` (see :class:`Compiler`) rules
     candidates out before compiling them: one whose lower bound exceeds the budget (when
@@ -868,7 +905,8 @@ def fit(
       threads: candidates compiled at once (see :func:`compile_threads`).
 
     Returns:
-      A :class:`FitResult`; ``chosen.compiled.peak_bytes <= budget_bytes``.
+      A :class:`FitResult`; ``chosen.compiled.peak_bytes <= budget_bytes`` over every
+      phase.
 
     Raises:
       BudgetError: when no candidate fits; the message names the smallest peak found, or
@@ -895,17 +933,31 @@ def fit(
         skip = _skip_reason(compiler, candidate, batch, budget_bytes)
         if skip is not None:
             return _ruled_out(candidate, batch, *skip)
-        compiled = compiler.fastest_fitting(candidate, batch, budget_bytes)
+        compiled = compiler.fastest_fitting(candidate, batch, budget_bytes, every_phase=False)
         return _row(candidate, batch, compiled, budget_bytes, device)
 
     bar = _bar(progress, len(candidates), len(rows), "planning")
     try:
         rows.update(_run_all(plan, pending, threads, bar))
+        # Judged by their last phase so far: the other phases of the fastest candidate are
+        # compiled (and its search redone over every phase where one does not fit) until
+        # the fastest one fits in every phase. No slower candidate can beat it: a
+        # configuration that fits in every phase fits in its last.
+        while (chosen := _fastest(rows[c] for c in candidates)) is not None:
+            unchecked = [
+                r
+                for r in rows.values()
+                if r.fits and not r.compiled.all_phases and r.step_seconds <= chosen.step_seconds
+            ]
+            if not unchecked:
+                break
+            for r in unchecked:  # the fastest, and any tied with it
+                compiled = compiler.fastest_fitting(r.candidate, batch, budget_bytes)
+                rows[r.candidate] = _row(r.candidate, batch, compiled, budget_bytes, device)
     finally:
         if bar is not None:
             bar.close()
     table = [rows[c] for c in candidates]
-    chosen = _fastest(table)
     if chosen is None:
         raise BudgetError(budget_bytes, table)
     return FitResult(budget_bytes, batch, chosen, table, device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -645,6 +646,65 @@ def test_largest_batch_fits_every_phase_and_compiles_warm_ups_only_where_the_las
     assert again.searches[0].batch == both
 
 
+class TwoPhaseFigures:
+    """Hand-written figures of two-phase runs, per candidate: ``(last phase's peak, warm-up's
+    peak, FLOPs)`` (the step-time estimate ranks by FLOPs)."""
+
+    def __init__(self, figures):
+        self.figures = figures
+        self.compiled = []
+
+    def leanest(self, candidate, batch):
+        self.compiled.append((candidate, "last"))
+        last, _, flops = self.figures[candidate]
+        return Compiled(last, flops=flops, peak_phase="1 last", phase_peaks=(("1 last", last),))
+
+    def fastest_fitting(self, candidate, batch, budget_bytes, every_phase=True):
+        compiled = self.leanest(candidate, batch)
+        if compiled.peak_bytes > budget_bytes or not every_phase:
+            return compiled
+        return self.over_phases(candidate, batch, compiled)
+
+    def over_phases(self, candidate, batch, compiled):
+        self.compiled.append((candidate, "warm-up"))
+        warm = self.figures[candidate][1]
+        return compiled.with_phases([("0 warm-up", warm), ("1 last", compiled.peak_bytes)], [])
+
+
+def test_fit_compiles_the_warm_ups_of_the_fastest_candidates_only():
+    """Judged by their last phase, then the fastest checked over every phase until one
+    fits: the choice is the exhaustive one's, and the slower rows keep their last phase."""
+    fast, mid, slow, big = (Candidate(e, "r") for e in ("ef", "w+2d", "w+2d+bf16", "dense"))
+    figures = {  # budget 100: `fast` fits by its last phase only, `big` not even by that
+        fast: (90, 120, 1e9),
+        mid: (95, 99, 2e9),
+        slow: (80, 150, 3e9),
+        big: (130, 90, 0.5e9),
+    }
+    budget = 100
+    compiler = TwoPhaseFigures(figures)
+    result = planner.fit(list(figures), compiler, budget, batch_per_worker=1)
+    exhaustive = min(
+        (c for c, (last, warm, _) in figures.items() if max(last, warm) <= budget),
+        key=lambda c: figures[c][2],
+    )
+    assert result.chosen.candidate == exhaustive == mid
+    assert result.chosen.compiled.peak_bytes == 99 and result.chosen.fits
+    assert sorted(c.exchange for c, phase in compiler.compiled if phase == "warm-up") == [
+        "ef",
+        "w+2d",
+    ]
+    rows = {r.candidate: r for r in result.rows}
+    assert not rows[fast].fits and rows[fast].compiled.peak_phase == "0 warm-up"
+    assert rows[slow].fits and rows[slow].as_dict()["fits_judged_by"] == "last phase"
+    assert not rows[big].fits and rows[big].compiled.peak_bytes == 130
+    table = result.table().splitlines()
+    assert re.search(r"1 last +last ", next(line for line in table if " w+2d+bf16 " in line))
+    # A budget nothing fits in every phase: the error, after checking each fast candidate.
+    with pytest.raises(planner.BudgetError):
+        planner.fit(list(figures), TwoPhaseFigures(figures), 98, batch_per_worker=1)
+
+
 @functools.cache
 def _phased_gpt():
     """A reduced GPT-2 (width 128, batch 1) whose dense warm-up program peaks above its
@@ -686,22 +746,39 @@ def test_a_warm_up_phase_over_the_budget_rules_its_candidate_out():
     # but not in its warm-up.
     budget = min(max(p) for p in peaks.values())
     assert last <= budget < warm
-    result = planner.fit(candidates, compiler, budget, batch_per_worker=1)
+    # Alone, it fits by its last phase, and its warm-up (compiled to check) rules it out.
+    cache = planner.CachedCompiler(compiler)
+    with pytest.raises(planner.BudgetError, match="density phase 0 dense"):
+        planner.fit(candidates[2:], cache, budget, batch_per_worker=1)
+    assert compiler.compilations == 2
+    result = planner.fit(candidates, cache, budget, batch_per_worker=1)
     fitting = {c for c in candidates if max(peaks[c]) <= budget}
     assert result.chosen.candidate in fitting and candidates[2] not in fitting
+    assert result.chosen.compiled.all_phases
+    assert result.chosen.compiled.peak_bytes == max(peaks[result.chosen.candidate])
     rows = {r.candidate: r for r in result.rows}
     for c in candidates:
-        expected = max(peaks[c]) if peaks[c][-1] <= budget else peaks[c][-1]
-        assert rows[c].compiled.peak_bytes == expected, c
-        assert rows[c].fits == (max(peaks[c]) <= budget)
+        row = rows[c]
+        if peaks[c][-1] > budget:  # its last phase does not fit: nothing more compiled
+            expected = peaks[c][-1]
+            assert not row.fits, c
+        elif row.compiled.all_phases:  # compiled over every phase
+            expected = max(peaks[c])
+            assert row.fits == (max(peaks[c]) <= budget), c
+        else:  # judged by its last phase: slower than the choice, its warm-up unchecked
+            expected = peaks[c][-1]
+            assert row.fits and row.step_seconds >= result.chosen.step_seconds, c
+            assert row.as_dict()["fits_judged_by"] == "last phase"
+        assert row.compiled.peak_bytes == expected, c
     row = rows[candidates[2]]
     assert not row.fits and row.compiled.peak_phase == "0 dense"
     assert row.compiled.phase_peaks == (("0 dense", warm), ("1 topk 1%", last))
     assert "peak phase" in result.table() and "0 dense" in result.table()
     assert result.as_dict()["candidates"][2]["peak_phase"] == "0 dense"
-    # The warm-ups compiled only where the last phase fits: ef / original's does not.
+    # The warm-ups compiled only where the last phase fits: ef / original's does not; the
+    # chosen candidate's and the one checked alone.
     assert peaks[candidates[0]][-1] > budget
-    assert compiler.compilations == 1 + 2 + 2
+    assert compiler.compilations == 2 + 1 + 2
     assert [r["density_phase"] for r in compiler.records()].count(0) == 2
     # Between its two phases alone: nothing fits, and the error names the warm-up.
     with pytest.raises(planner.BudgetError, match="density phase 0 dense"):

@@ -452,11 +452,17 @@ class StepCompiler:
         return compiled.with_phases([*peaks, (names[-1], compiled.peak_bytes)], others)
 
     def _fitting(
-        self, candidate: Candidate, batch: int, compiled: Compiled, budget: int
+        self,
+        candidate: Candidate,
+        batch: int,
+        compiled: Compiled,
+        budget: int,
+        every_phase: bool = True,
     ) -> Compiled:
         """``compiled`` over every phase when its last phase fits the budget (it fits when
-        they all do), else as it is: a last phase over the budget needs nothing more."""
-        if compiled.peak_bytes > budget:
+        they all do), else as it is: a last phase over the budget needs nothing more.
+        ``every_phase=False``: as it is (the last phase judges)."""
+        if compiled.peak_bytes > budget or not every_phase:
             return compiled
         return self.over_phases(candidate, batch, compiled)
 
@@ -635,28 +641,31 @@ class StepCompiler:
             return self.compile(candidate, batch, None)
         return self._with_overhead(candidate, batch, self.compile(candidate, batch, front[-1].plan))
 
-    def fastest_fitting(self, candidate: Candidate, batch: int, budget_bytes: int) -> Compiled:
+    def fastest_fitting(
+        self, candidate: Candidate, batch: int, budget_bytes: int, every_phase: bool = True
+    ) -> Compiled:
         """The fastest configuration whose compiled step fits, else the leanest one.
 
         A configuration fits when its step fits in every density phase
-        (:meth:`over_phases`, compiled where the last phase fits). For ``rotor``: no
+        (:meth:`over_phases`, compiled where the last phase fits), or with
+        ``every_phase=False`` when its last phase does (nothing else compiled). For ``rotor``: no
         checkpointing if that fits; otherwise the search of the module docstring over the
         chain's plans (a plan whose warm-up phase does not fit counts as not fitting, so
         the search goes on to more checkpoints).
         """
         if not candidate.adaptive:
             return self._fitting(
-                candidate, batch, self.compile(candidate, batch, None), budget_bytes
+                candidate, batch, self.compile(candidate, batch, None), budget_bytes, every_phase
             )
         none = self._compile_unless_over(candidate, batch, None, budget_bytes)
-        none = self._fitting(candidate, batch, none, budget_bytes)
+        none = self._fitting(candidate, batch, none, budget_bytes, every_phase)
         if none.peak_bytes <= budget_bytes:
             return none
         chain = self._chain(batch)
         front = chain.front
         if not front:
             return self._fitting(
-                candidate, batch, self.compile(candidate, batch, None), budget_bytes
+                candidate, batch, self.compile(candidate, batch, None), budget_bytes, every_phase
             )
         compiled = {-1: none}  # index -1: the monolithic step, which does not fit
 
@@ -667,6 +676,7 @@ class StepCompiler:
                     batch,
                     self._compile_unless_over(candidate, batch, front[i].plan, budget_bytes),
                     budget_bytes,
+                    every_phase,
                 )
             return compiled[i]
 
@@ -694,7 +704,7 @@ class StepCompiler:
         lo, hi = -1, None  # lo does not fit; hi fits (None: none known yet)
         known = self._step(candidate.exchange, candidate.optimizer, batch, front[leanest].plan)
         if known is not None and known.peak_bytes <= budget_bytes:  # e.g. by a batch search
-            known = self._fitting(candidate, batch, known, budget_bytes)
+            known = self._fitting(candidate, batch, known, budget_bytes, every_phase)
             compiled[leanest] = known
             if known.peak_bytes <= budget_bytes:
                 hi = leanest
