@@ -24,6 +24,14 @@ so a device's residual arrays depend on it), follows ``on_worker_change``:
   (``train.train.worker_redistribution``). Logged as a warning.
 
 An unset ``local_devices`` (flat exchange) and ``local_devices=1`` are the same layout.
+
+The train state is written by orbax's ``PyTreeCheckpointHandler`` with its own
+type-handler registry (:func:`state_handler`), whose ``jax.Array`` handler writes each
+replicated array from one device: orbax's default (outside GPU platforms) splits a
+replicated array's write over its replicas, compiling one ``jit(slice)`` per leaf shape
+and device on a run's first save (56 programs, 1.5 s of a 17 s one-step byte-GPT run)
+to write a few MiB from a host that holds every replica anyway. The on-disk format is
+the same; the global registry is left as it is.
 """
 
 from __future__ import annotations
@@ -55,6 +63,21 @@ __all__ = [
 ]
 
 COMMIT_MARKER = "commit_success.txt"
+
+
+def state_handler() -> ocp.PyTreeCheckpointHandler:
+    """The handler of the train state: orbax's default type handlers, except that a
+    replicated ``jax.Array`` is written from one device, not split over its replicas."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (int, ocp.type_handlers.ScalarHandler()),
+        (float, ocp.type_handlers.ScalarHandler()),
+        (bytes, ocp.type_handlers.ScalarHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
+        (str, ocp.type_handlers.StringHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 class WorkerCountMismatch(ValueError):
@@ -201,9 +224,17 @@ class Checkpointer:
             _set_aside_uncommitted(self.directory)
         if jax.process_count() > 1:  # the others list the directory after the clean-up
             multihost_utils.sync_global_devices("resireduce_checkpoints_listed")
+        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        state = state_handler()
+        handlers.add("state", ocp.args.PyTreeSave, state)
+        handlers.add("state", ocp.args.PyTreeRestore, state)
+        meta = ocp.JsonCheckpointHandler()
+        handlers.add("meta", ocp.args.JsonSave, meta)
+        handlers.add("meta", ocp.args.JsonRestore, meta)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            handler_registry=handlers,
         )
 
     def latest_step(self) -> int | None:
@@ -228,7 +259,7 @@ class Checkpointer:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
             ),
             force=True,
         )
@@ -320,7 +351,13 @@ class Checkpointer:
             )
         try:
             restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=abstract,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    )
+                ),
             )["state"]
         except Exception as e:
             raise ValueError(
@@ -347,7 +384,7 @@ class Checkpointer:
         """The shapes the checkpoint holds for the leaves of ``abstract`` (the optimizer
         state): per-worker leaves may be shaped by the old layout (sharded residuals).
         Leaves its metadata does not show: ``old_workers`` rows of this run's shape."""
-        handler = ocp.StandardCheckpointHandler()
+        handler = state_handler()
         try:
             path = epath.Path(self.directory) / str(step) / "state"
             metadata = handler.metadata(path)["opt_state"]
