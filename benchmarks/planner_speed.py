@@ -10,12 +10,17 @@ Times the training program as a user runs it, in fresh workdirs, on the byte-lev
 * ``plan 10MiB again`` (this checkout only): the same ``--plan_only`` in the workdir of
   an earlier one, whose compiled steps JAX's persistent cache keeps.
 
+These with ``--config.optimizer.name=adamw`` (AdamW and AdamW-R are both candidates);
+``1-step run, recipe`` and ``plan 10MiB, recipe``: the config as it is (its recipe,
+compressed-momentum Adam: one optimizer, half the candidates). Ratios to a 1-step run are
+to the same config's.
+
 The earlier revision is extracted with ``git archive`` and run from its own directory as
 a subprocess. Old and new runs alternate (old, new, new, old per round: ABBA), so that a
 machine whose load drifts treats both alike; wall time and the CPU time of the process
 (user + system) are recorded, and ratios are of medians.
 
-    python benchmarks/planner_speed.py                    # against ef7e595, 1 round
+    python benchmarks/planner_speed.py                    # against 8b65191, 1 round
     python benchmarks/planner_speed.py --rounds 2 --old-rev main
 """
 
@@ -37,15 +42,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, environment, write_results
 
 CONFIG = "configs/byte_gpt.py"
-# AdamW with EF, the config both revisions share (byte_gpt's recipe, compressed-momentum
-# Adam, is not in the earlier one): the planner weighs AdamW against AdamW-R.
-COMMON = ["--config.optimizer.name=adamw"]
+# AdamW with EF: the planner weighs AdamW against AdamW-R (twice the candidates of
+# byte_gpt's own recipe, compressed-momentum Adam, which has one optimizer).
+ADAMW = ["--config.optimizer.name=adamw"]
 COMMANDS = {
-    "1-step run": ["--config.num_steps=1"],
-    "plan 10MiB": ["--config.memory.budget=10MiB", "--plan_only"],
-    "plan 1MiB": ["--config.memory.budget=1MiB", "--plan_only"],
+    "1-step run": [*ADAMW, "--config.num_steps=1"],
+    "plan 10MiB": [*ADAMW, "--config.memory.budget=10MiB", "--plan_only"],
+    "plan 1MiB": [*ADAMW, "--config.memory.budget=1MiB", "--plan_only"],
+    "1-step run, recipe": ["--config.num_steps=1"],
+    "plan 10MiB, recipe": ["--config.memory.budget=10MiB", "--plan_only"],
 }
-EXPECTED_STATUS = {"1-step run": 0, "plan 10MiB": 0, "plan 1MiB": 2}
+EXPECTED_STATUS = {name: 2 if "1MiB" in name else 0 for name in COMMANDS}
+
+
+def one_step_of(name: str) -> str:
+    """The 1-step run of the same config as command ``name``."""
+    return "1-step run, recipe" if name.endswith(", recipe") else "1-step run"
 
 
 def extract(rev: str, directory: str) -> str:
@@ -71,7 +83,6 @@ def timed(checkout: str, args: list[str], workdir: str) -> dict[str, Any]:
             "train",
             f"--config={CONFIG}",
             f"--workdir={workdir}",
-            *COMMON,
             *args,
         ],
         cwd=checkout,
@@ -126,9 +137,10 @@ def summary(runs: dict[str, Any]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"medians": med}
     for side in ("old", "new"):
-        base = med["1-step run"][side]
         out[f"{side}_vs_1_step"] = {
-            name: {k: med[name][side][k] / base[k] for k in ("wall_s", "cpu_s")}
+            name: {
+                k: med[name][side][k] / med[one_step_of(name)][side][k] for k in ("wall_s", "cpu_s")
+            }
             for name in med
             if side in med[name]
         }
@@ -145,8 +157,9 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# What planning and starting a run cost",
         "",
-        f"`python -m train --config {CONFIG} {' '.join(COMMON)}` (byte-level GPT, 3 blocks "
-        f"of width 64, AdamW with error feedback, 8 "
+        f"`python -m train --config {CONFIG}` (byte-level GPT, 3 blocks of width 64, "
+        f"with `{' '.join(ADAMW)}` (AdamW with error feedback) except the rows `, recipe` "
+        "(the config's own compressed-momentum Adam), 8 "
         f"simulated workers, 8 sequences of 64 bytes per worker) in fresh workdirs: "
         f"revision {payload['old_commit']} (old) against this checkout (new), alternated "
         f"ABBA, {payload['rounds']} round(s); medians. `python benchmarks/planner_speed.py`.",
@@ -183,7 +196,7 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old-rev", default="ef7e595", help="the revision to compare with")
+    parser.add_argument("--old-rev", default="8b65191", help="the revision to compare with")
     parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds per command")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)

@@ -258,9 +258,7 @@ class Checkpointer:
         }
         self._manager.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
-            ),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
         if wait:
