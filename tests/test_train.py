@@ -339,6 +339,37 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
         assert json.load(f)["compression"]["variant"] == "ef"
 
 
+def test_a_run_compiles_the_density_phases_it_reaches(tmp_path, capsys):
+    """With a dense warm-up (4 of 8 steps), the report is of the phase the run starts in;
+    a run that stops in the warm-up compiles its step once, and the resumed run (in the
+    warm-up still) compiles that phase and then the top-k phase, printing that program's
+    peak at its first step."""
+    compiles = []
+
+    def listen(event, duration, **fields):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(fields.get("fun_name"))
+
+    config = small_digits(num_steps=8, **{"compression.density_schedule.dense_fraction": 0.5})
+    workdir = str(tmp_path / "run")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = train.train_and_evaluate(config, workdir, halt_after_step=2)
+        out = capsys.readouterr().out
+        assert first.step == 2 and compiles.count("jit(train_step)") == 1
+        assert first.memory["compiled_peak"]["density_phase"] == 0
+        assert "the peaks above are of the phase this run starts in, 0 dense" in out
+        assert "Density phase" not in out
+        compiles.clear()
+        resumed = train.train_and_evaluate(config, workdir)
+        out = capsys.readouterr().out
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert resumed.step == 8 and compiles.count("jit(train_step)") == 2  # phase 0, then 1
+    (line,) = [x for x in out.splitlines() if x.startswith("Density phase 1 topk")]
+    assert "its program compiled, peak" in line
+
+
 def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(tmp_path, capsys):
     config = small_digits(**{"compression.variant": "w+2d", "memory.compare_baselines": True})
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))

@@ -491,17 +491,18 @@ def _phase_of(phases: list, count: int) -> int | None:
     return rr.compressors.schedule.phase_at(phases, count) if len(phases) > 1 else None
 
 
-def _phase_note(phases: list, *, planned: bool) -> str:
+def _phase_note(phases: list, report_phase: int, *, planned: bool) -> str:
     """What the memory report's compiled step is, for a run of several density phases:
-    the last phase's program (compiled at the start; the others are compiled when their
-    first step comes, so their peaks are not in the report), and where they are."""
+    the program of the phase the run starts in (each other phase's is compiled when its
+    first step comes, and its peak printed then), and where the others' peaks are."""
     names = [
         memory_plan.phase_name(i, p.compressor) + f" from step {p.start}"
         for i, p in enumerate(phases)
     ]
     note = (
         f"Density schedule: {len(phases)} phases, one program each ({', '.join(names)}); "
-        f"the peaks above are of the last phase, {names[-1]}."
+        f"the peaks above are of the phase this run starts in, {names[report_phase]}; "
+        "each later phase's peak is printed when its program is compiled, at its first step."
     )
     if planned:
         note += (
@@ -515,6 +516,18 @@ def _phase_note(phases: list, *, planned: bool) -> str:
             "compiles every phase."
         )
     return note
+
+
+def _print_phase_peak(phases: list, phase: int, executable, is_main: bool) -> int:
+    """Prints the compiled peak of a density phase's program, compiled at its first step."""
+    peak = rr.hlo.peak_memory(executable).peak
+    if is_main:
+        name = memory_plan.phase_name(phase, phases[phase].compressor)
+        print(
+            f"Density phase {name}: its program compiled, peak {peak / 2**20:,.2f} MiB per device.",
+            flush=True,
+        )
+    return peak
 
 
 def train_and_evaluate(
@@ -579,10 +592,12 @@ def train_and_evaluate(
 
     # The step is compiled once, for the state it starts from: the memory report reads
     # the executable the loop then runs. With a density schedule, each phase has its own
-    # program (compiled when its first step comes); the report describes the last phase's,
-    # the steady state.
+    # program: the report's is the phase the run starts in, and every other phase is
+    # compiled when its first step comes (a short or resumed run compiles only the phases
+    # it runs).
     phases = factory.density_phases(config, run.total_steps)
-    report_phase = len(phases) - 1 if len(phases) > 1 else None
+    skipped_seen = int(jax.device_get(opt_state.skipped))
+    report_phase = _phase_of(phases, start - skipped_seen)
     base_key = jax.random.PRNGKey(config.seed + 1)
     pid, pcount = jax.process_index(), jax.process_count()
     first_batch = rr.parallel.shard_batch(
@@ -601,7 +616,7 @@ def train_and_evaluate(
         run, state.abstract_params, compiled, time.perf_counter() - started
     )
     if len(phases) > 1:
-        note = _phase_note(phases, planned=config.memory.budget is not None)
+        note = _phase_note(phases, report_phase, planned=config.memory.budget is not None)
         report += "\n" + note
         memory_figures["compiled_peak"]["density_phase"] = report_phase
         memory_figures["compiled_peak"]["density_phases"] = len(phases)
@@ -621,13 +636,13 @@ def train_and_evaluate(
     raise_on_nonfinite = config.compression.nonfinite == "raise"
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
-    skipped_seen = int(jax.device_get(opt_state.skipped))
     # One compiled step per phase of the density schedule, each run in its steps. The
     # schedule runs on the exchange's count, which a skipped step does not advance: the
     # phase is that of step - skipped, and the skips are read (a sync) only at a step
     # where they could hold the phase back.
     skips_known = skipped_seen
     phase = _phase_of(phases, start - skips_known)
+    phase_peaks = {report_phase: None}  # the phases compiled so far
     step = start
     preempted = False
     try:
@@ -641,6 +656,11 @@ def train_and_evaluate(
             if _phase_of(phases, step - skips_known) != phase:
                 skips_known = int(jax.device_get(opt_state.skipped))
                 phase = _phase_of(phases, step - skips_known)
+                if phase not in phase_peaks:
+                    executable = step_fn.compile(
+                        params, opt_state, model_state, batch, rng, density_phase=phase
+                    )
+                    phase_peaks[phase] = _print_phase_peak(phases, phase, executable, is_main)
             params, opt_state, model_state, step_metrics = step_fn(
                 params, opt_state, model_state, batch, rng, density_phase=phase
             )
