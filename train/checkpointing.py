@@ -30,8 +30,10 @@ type-handler registry (:func:`state_handler`), whose ``jax.Array`` handler write
 replicated array from one device: orbax's default (outside GPU platforms) splits a
 replicated array's write over its replicas, compiling one ``jit(slice)`` per leaf shape
 and device on a run's first save (56 programs, 1.5 s of a 17 s one-step byte-GPT run)
-to write a few MiB from a host that holds every replica anyway. The on-disk format is
-the same; the global registry is left as it is.
+to write a few MiB from a host that holds every replica anyway. Arrays and the tree's
+metadata are written as orbax's default handler writes them (``StandardRestore`` and
+``final_state`` read them); orbax's optional per-array metadata store, a private module, is
+not passed, and restoring does not need it. The global registry is left as it is.
 """
 
 from __future__ import annotations

@@ -518,16 +518,14 @@ def _phase_note(phases: list, report_phase: int, *, planned: bool) -> str:
     return note
 
 
-def _print_phase_peak(phases: list, phase: int, executable, is_main: bool) -> int:
+def _print_phase_peak(phases: list, phase: int, executable) -> None:
     """Prints the compiled peak of a density phase's program, compiled at its first step."""
     peak = rr.hlo.peak_memory(executable).peak
-    if is_main:
-        name = memory_plan.phase_name(phase, phases[phase].compressor)
-        print(
-            f"Density phase {name}: its program compiled, peak {peak / 2**20:,.2f} MiB per device.",
-            flush=True,
-        )
-    return peak
+    name = memory_plan.phase_name(phase, phases[phase].compressor)
+    print(
+        f"Density phase {name}: its program compiled, peak {peak / 2**20:,.2f} MiB per device.",
+        flush=True,
+    )
 
 
 def train_and_evaluate(
@@ -642,7 +640,7 @@ def train_and_evaluate(
     # where they could hold the phase back.
     skips_known = skipped_seen
     phase = _phase_of(phases, start - skips_known)
-    phase_peaks = {report_phase: None}  # the phases compiled so far
+    compiled_phases = {report_phase}
     step = start
     preempted = False
     try:
@@ -656,11 +654,13 @@ def train_and_evaluate(
             if _phase_of(phases, step - skips_known) != phase:
                 skips_known = int(jax.device_get(opt_state.skipped))
                 phase = _phase_of(phases, step - skips_known)
-                if phase not in phase_peaks:
+                if phase not in compiled_phases:
+                    compiled_phases.add(phase)
                     executable = step_fn.compile(
                         params, opt_state, model_state, batch, rng, density_phase=phase
                     )
-                    phase_peaks[phase] = _print_phase_peak(phases, phase, executable, is_main)
+                    if is_main:
+                        _print_phase_peak(phases, phase, executable)
             params, opt_state, model_state, step_metrics = step_fn(
                 params, opt_state, model_state, batch, rng, density_phase=phase
             )
