@@ -12,7 +12,8 @@ prose follows it.
 
 Every benchmark re-renders its markdown from its committed JSON without measuring again
 (``--from-json``): :func:`read_results` loads the figures, :func:`write_markdown` writes
-the page; :func:`add_output_arguments` adds that flag and ``--out`` to a command line.
+the page, :func:`rerender` does both; :func:`add_output_arguments` adds that flag and
+``--out`` (and where wanted ``--merge``) to a command line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +110,15 @@ def add_output_arguments(
     *,
     from_json_help: str = "only re-render the markdown from its JSON",
     out_help: str | None = None,
+    merge_help: str | None = None,
 ) -> None:
-    """Adds ``--out`` (the results folder, default ``benchmarks/results``) and
-    ``--from-json`` (re-render the markdown from the JSON of an earlier run, without
-    measuring), in that order, with these help texts."""
+    """Adds ``--out`` (the results folder, default ``benchmarks/results``), where
+    ``merge_help`` is given ``--merge`` (a flag: keep results of an earlier run, as that
+    help says) and ``--from-json`` (re-render the markdown from the JSON of an earlier
+    run, without measuring), in that order, with these help texts."""
     parser.add_argument("--out", default=str(RESULTS), help=out_help)
+    if merge_help is not None:
+        parser.add_argument("--merge", action="store_true", help=merge_help)
     parser.add_argument("--from-json", action="store_true", help=from_json_help)
 
 
@@ -134,6 +140,24 @@ def write_markdown(name: str, markdown: str, out: str | Path = RESULTS, *, echo:
     if echo:
         print(text)
     return out
+
+
+def rerender(
+    name: str,
+    render: Callable[[Any], str],
+    out: str | Path = RESULTS,
+    *,
+    key: str | None = None,
+    echo: bool = True,
+) -> Any:
+    """``--from-json``: rewrites ``<out>/<name>.md`` from ``<out>/<name>.json``, measuring
+    nothing. ``render`` makes the markdown of the payload, or of its entry ``key`` where
+    given; returns what ``render`` was given (e.g. to redraw a figure from it)."""
+    figures = read_results(name, out)
+    if key is not None:
+        figures = figures[key]
+    write_markdown(name, render(figures), out, echo=echo)
+    return figures
 
 
 def write_results(

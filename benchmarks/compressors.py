@@ -43,8 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import (  # noqa: E402
     add_output_arguments,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 from jax.sharding import NamedSharding  # noqa: E402
@@ -290,9 +289,9 @@ def markdown(meta, rows, selection) -> str:
 def main() -> None:
     args = parse_args()
     if args.from_json:
-        result = read_results("compressors", args.out)
-        markdown_ = markdown(result["meta"], result["exchange"], result["selection"])
-        write_markdown("compressors", markdown_, args.out)
+        rerender(
+            "compressors", lambda r: markdown(r["meta"], r["exchange"], r["selection"]), args.out
+        )
         return
     if args.size % args.rows:
         raise ValueError(f"--size {args.size} must be a multiple of --rows {args.rows}.")

@@ -37,8 +37,7 @@ from common import (
     NUM_WORKERS,
     MiB,
     environment,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 from peak_memory import CASES
@@ -164,7 +163,7 @@ def main() -> None:
     parser.add_argument("--from-json", action="store_true", help="re-render the markdown")
     args = parser.parse_args()
     if args.from_json:
-        write_markdown("density_schedule", render(read_results("density_schedule")))
+        rerender("density_schedule", render)
         return
     from resireduce_jax import runtime
 

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS, environment, read_results, write_markdown, write_results
+from common import RESULTS, environment, rerender, write_results
 
 from train.local_job import RESUMED, STOPPED, LocalJob, committed_steps
 
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         out = args.out or str(RESULTS)
-        write_markdown("reliability", markdown(read_results("reliability", out)), out, echo=False)
+        rerender("reliability", markdown, out, echo=False)
         return 0
     plan = setup(args)
     configs = plan.configs

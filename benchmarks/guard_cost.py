@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, MiB, environment, read_results, write_markdown, write_results
+from common import MiB, add_output_arguments, environment, rerender, write_results
 
 OPTIMIZERS = ("optax.sgd", "sgd", "optax.adamw", "adamw_r", "optax.lion", "lion_r", "adan_r")
 GUARDS = ("none", "ordered", "loss", "strict", "lean")
@@ -274,20 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="replace the rows compiled now in the earlier guard_cost.json, keep the others",
-    )
-    parser.add_argument(
-        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    add_output_arguments(
+        parser,
+        merge_help="replace the rows compiled now in the earlier guard_cost.json, keep the others",
     )
     args = parser.parse_args(argv)
     if args.from_json:
-        write_markdown(
-            "guard_cost", markdown(read_results("guard_cost", args.out)["rows"]), args.out
-        )
+        rerender("guard_cost", markdown, args.out, key="rows")
         return
 
     from resireduce_jax import runtime

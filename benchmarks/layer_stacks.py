@@ -42,12 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also
 
 from common import (
     NUM_WORKERS,
-    RESULTS,
     MiB,
+    add_output_arguments,
     environment,
     load_config,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 
@@ -243,15 +242,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results directory (default: results/)")
-    parser.add_argument("--merge", action="store_true", help="keep the other parts' results")
-    parser.add_argument(
-        "--from-json", action="store_true", help="only re-render the markdown from its JSON"
+    add_output_arguments(
+        parser,
+        out_help="results directory (default: results/)",
+        merge_help="keep the other parts' results",
     )
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else RESULTS
+    out = Path(args.out)
     if args.from_json:
-        write_markdown("layer_stacks", markdown(read_results("layer_stacks", out)), out)
+        rerender("layer_stacks", markdown, out)
         return
 
     from resireduce_jax import runtime

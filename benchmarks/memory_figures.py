@@ -41,12 +41,11 @@ from typing import Any
 import jax
 import optax
 from common import (
-    RESULTS,
     MiB,
+    add_output_arguments,
     environment,
     load_config,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 
@@ -419,16 +418,12 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument(
-        "--from-json",
-        action="store_true",
-        help="only re-render the markdown and figure from its JSON",
+    add_output_arguments(
+        parser, from_json_help="only re-render the markdown and figure from its JSON"
     )
     args = parser.parse_args(argv)
     if args.from_json:
-        results = read_results("memory_figures", args.out)["results"]
-        write_markdown("memory_figures", markdown(results), args.out)
+        results = rerender("memory_figures", markdown, args.out, key="results")
         plot(results, os.path.join(args.out, "memory_figures.png"))
         return results
     results = []

@@ -34,8 +34,7 @@ from common import (
     MiB,
     environment,
     guard_name,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 
@@ -489,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.from_json:
         out = args.out or RESULTS
-        write_markdown("peak_memory", markdown(read_results("peak_memory", out)["results"]), out)
+        rerender("peak_memory", markdown, out, key="results")
         return
 
     from resireduce_jax import runtime

@@ -36,8 +36,7 @@ from common import (
     add_output_arguments,
     environment,
     guard_name,
-    read_results,
-    write_markdown,
+    rerender,
     write_results,
 )
 
@@ -303,8 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         compare = COMPARISONS["backward_order"]
     name = compare.output if compare else "step_time"
     if args.from_json:
-        results = read_results(name, args.out)["results"]
-        write_markdown(name, markdown(results, compare), args.out)
+        rerender(name, lambda results: markdown(results, compare), args.out, key="results")
         return
 
     from resireduce_jax import runtime
