@@ -75,7 +75,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
@@ -84,14 +84,24 @@ from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 VARIANTS = ("dense", "none", "ef", "ef+bf16", "dgc", "a", "w", "2d", "w+2d", "w+2d+bf16")
 
 
+class Metric(NamedTuple):
+    """A task's eval metric and how it is reported."""
+
+    key: str  # key of the eval metrics
+    higher_is_better: bool
+    scale: float  # reported value = scale * metric
+    unit: str
+
+
+ACCURACY = Metric("accuracy", higher_is_better=True, scale=100.0, unit="accuracy %")
+PERPLEXITY = Metric("perplexity", higher_is_better=False, scale=1.0, unit="perplexity")
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     config: str  # configs/<config>.py
     overrides: dict[str, Any]  # dotted config keys
-    metric: str  # key of the eval metrics
-    higher_is_better: bool
-    scale: float  # reported value = scale * metric
-    unit: str
+    metric: Metric
     default_seeds: int
     description: str
     pretrain: dict[str, Any] | None = None  # config overrides of a cached dense pre-training
@@ -121,10 +131,7 @@ def _byte_gpt_task(overrides: dict[str, Any], *, default_seeds: int, description
             "log_every": 50,
             **overrides,
         },
-        metric="perplexity",
-        higher_is_better=False,
-        scale=1.0,
-        unit="perplexity",
+        metric=PERPLEXITY,
         default_seeds=default_seeds,
         description=description,
     )
@@ -150,10 +157,7 @@ TASKS: dict[str, Task] = {
             "eval_every": 20,
             "log_every": 10,
         },
-        metric="accuracy",
-        higher_is_better=True,
-        scale=100.0,
-        unit="accuracy %",
+        metric=ACCURACY,
         default_seeds=3,
         description="MLP on scikit-learn digits (configs/default.py), SGD-momentum 0.1, "
         "cosine schedule",
@@ -405,7 +409,7 @@ def train_one(
         "steps": summary.step,
         "bytes_sent": summary.communication["bytes_sent_per_worker"],
         "dense_bytes": summary.communication["dense_bytes_per_worker"],
-        "final": task.scale * summary.eval[task.metric],
+        "final": task.metric.scale * summary.eval[task.metric.key],
         "final_eval": summary.eval,
         "final_train": summary.train,
         "skipped_steps": summary.skipped_steps,
@@ -413,7 +417,7 @@ def train_one(
         "ef_residual_bytes": summary.memory["baseline"]["residuals"],
         "model_state_bytes": summary.memory["reduced"]["total"],
         "seconds": seconds,
-        "curves": curves(records, task.metric, task.scale),
+        "curves": curves(records, task.metric.key, task.metric.scale),
     }
 
 
@@ -542,7 +546,7 @@ def markdown(payload: dict[str, Any]) -> str:
         sent = "" if row.get("sent_over_dense") is None else f"{row['sent_over_dense']:.2%}"
         lines.append(
             f"| {row['task']} | {row.get('recipe', 'base')} | {row['variant']} | {value} "
-            f"{task.unit} | {len(row['seeds'])} | {over} | {delta} | {sent} "
+            f"{task.metric.unit} | {len(row['seeds'])} | {over} | {delta} | {sent} "
             f"| {_bytes(row['residual_bytes'])} | {ratio} |"
         )
     if payload.get("notes"):  # written by hand into the JSON, rendered as they are
@@ -563,13 +567,13 @@ def markdown(payload: dict[str, Any]) -> str:
         lines += [f"**Config overrides on every run**: {applied}.", ""]
     for task_name, s in payload["settings"].items():
         task = TASKS[task_name]
-        better = "higher" if task.higher_is_better else "lower"
+        better = "higher" if task.metric.higher_is_better else "lower"
         lines.append(
             f"* **{task_name}**: {s['description']}; {s['steps']} steps, {s['workers']} workers "
             f"x {s['batch_per_worker']} examples, {s['compressor']} density {s['density']:g}, "
             f"leaves under min_size={s['min_size']} elements travel dense, groups of <= "
             f"{s['max_group_size']} same-shape leaves, 2-D layers `{s['intra_layers']}`; "
-            f"metric: eval {task.unit} ({better} is better)."
+            f"metric: eval {task.metric.unit} ({better} is better)."
         )
     skipped = sum(row["skipped_steps"] for row in payload["summary"])
     commands = payload.get("commands") or [payload["command"]]
@@ -622,15 +626,16 @@ def plot(payload: dict[str, Any], path: str) -> None:
                 ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.12)
         seeds = len({r["seed"] for r in task_runs})
         band = ", band = min–max over seeds" if seeds > 1 else ""
-        ax.set_title(f"{task_name}: eval {task.unit}, mean of {seeds} seed(s){band}", fontsize=10)
+        unit = task.metric.unit
+        ax.set_title(f"{task_name}: eval {unit}, mean of {seeds} seed(s){band}", fontsize=10)
         ax.set_xlabel("training step")
-        ax.set_ylabel(f"eval {task.unit}")
+        ax.set_ylabel(f"eval {unit}")
         finals = [r["final"] for r in task_runs]
         if finals:  # zoom on the end of training, where the variants differ
             lo, hi = min(finals), max(finals)
-            if task.higher_is_better:
+            if task.metric.higher_is_better:
                 pad = max(hi - lo, 0.02 * abs(hi))
-                ax.set_ylim(max(lo - 2 * pad, 0.0), min(hi + pad, task.scale + 0.5))
+                ax.set_ylim(max(lo - 2 * pad, 0.0), min(hi + pad, task.metric.scale + 0.5))
             else:
                 ax.set_yscale("log")
                 pad = max(hi - lo, 0.05 * abs(hi))
@@ -814,7 +819,8 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(record)
             bar.write(
                 f"{task_name:9s} {recipe:12s} {variant:10s} seed {seed}: "
-                f"{TASKS[task_name].unit} {record['final']:.3f}  ({record['seconds']:.0f} s, "
+                f"{TASKS[task_name].metric.unit} {record['final']:.3f}  "
+                f"({record['seconds']:.0f} s, "
                 f"{record['skipped_steps']} skipped, sent "
                 f"{record['bytes_sent'] / record['dense_bytes']:.2%} of dense)"
             )
