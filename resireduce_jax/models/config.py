@@ -1,6 +1,7 @@
 """What every model configuration shares: dtypes, validation, example inputs, how to apply it.
 
-Each architecture has a frozen, keyword-only dataclass derived from :class:`ModelConfig`.
+Each architecture has a frozen, keyword-only dataclass derived from :class:`ModelConfig`
+(the image classifiers through :class:`ImageClassifierConfig`).
 A configuration knows how to build its Flax module (:meth:`ModelConfig.build`), which
 arrays ``model.apply`` takes and which arrays are the targets (:attr:`input_names`,
 :attr:`target_names`, :meth:`ModelConfig.example_batch`), which variable collections are
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "ChainStage",
+    "ImageClassifierConfig",
     "ModelConfig",
     "as_dtype",
     "batch_norm",
@@ -209,6 +211,25 @@ class ModelConfig:
                 f"{type(self).__name__}: {width_name}={width} is not divisible by "
                 f"{heads_name}={heads}; every attention head needs the same width."
             )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ImageClassifierConfig(ModelConfig):
+    """Base class of the image classifiers: ``model.apply(image=...)`` with the class
+    ``label`` as target.
+
+    Adds no field; :meth:`example_batch` gives square NHWC images of the subclass's fields
+    ``image_size`` (height and width) and ``num_channels`` (a subclass with other image
+    fields overrides it).
+    """
+
+    task: ClassVar[str] = "classification"
+    input_names: ClassVar[tuple[str, ...]] = ("image",)
+    target_names: ClassVar[tuple[str, ...]] = ("label",)
+
+    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """float32 NHWC ``image`` and int32 ``label``."""
+        return image_batch(batch_size, self.image_size, self.image_size, self.num_channels)
 
 
 def image_batch(

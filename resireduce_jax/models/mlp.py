@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models.config import ModelConfig, dense, image_batch
+from resireduce_jax.models.config import ImageClassifierConfig, dense, image_batch
 
 __all__ = ["MLPClassifier", "MLPConfig"]
 
@@ -36,7 +35,7 @@ _linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MLPConfig(ModelConfig):
+class MLPConfig(ImageClassifierConfig):
     """Hyperparameters of the MLP classifier (defaults: the digits job).
 
     Attributes:
@@ -51,10 +50,6 @@ class MLPConfig(ModelConfig):
     num_layers: int = 4
     width: int = 256
     num_classes: int = 10
-
-    task: ClassVar[str] = "classification"
-    input_names: ClassVar[tuple[str, ...]] = ("image",)
-    target_names: ClassVar[tuple[str, ...]] = ("label",)
 
     def validate(self) -> None:
         self._require_positive("num_layers", "width", "num_classes")

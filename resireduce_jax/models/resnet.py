@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from resireduce_jax.models.config import ChainStage, ModelConfig, batch_norm, dense, image_batch
+from resireduce_jax.models.config import ChainStage, ImageClassifierConfig, batch_norm, dense
 
 __all__ = ["EXPANSION", "Bottleneck", "Head", "ResNet", "ResNetConfig", "Stem", "chain_stages"]
 
@@ -52,7 +52,7 @@ _linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResNetConfig(ModelConfig):
+class ResNetConfig(ImageClassifierConfig):
     """Hyperparameters of a bottleneck ResNet (defaults: ResNet-50 for CIFAR-100).
 
     Attributes:
@@ -80,9 +80,6 @@ class ResNetConfig(ModelConfig):
     bn_epsilon: float = 1e-5
     bn_axis_name: str | None = None
 
-    task: ClassVar[str] = "classification"
-    input_names: ClassVar[tuple[str, ...]] = ("image",)
-    target_names: ClassVar[tuple[str, ...]] = ("label",)
     mutable_collections: ClassVar[tuple[str, ...]] = ("batch_stats",)
 
     def validate(self) -> None:
@@ -101,10 +98,6 @@ class ResNetConfig(ModelConfig):
 
     def chain_stages(self) -> list[ChainStage]:
         return chain_stages(self)
-
-    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """float32 NHWC ``image`` and int32 ``label``."""
-        return image_batch(batch_size, self.image_size, self.image_size, self.num_channels)
 
 
 def _same_padding(kernel: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resireduce_jax.models.config import ModelConfig, batch_norm, dense, image_batch
+from resireduce_jax.models.config import ImageClassifierConfig, batch_norm, dense
 
 __all__ = ["VGG", "VGGConfig", "adaptive_avg_pool", "feature_layout"]
 
@@ -47,7 +47,7 @@ _linear_init = nn.initializers.normal(0.01)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class VGGConfig(ModelConfig):
+class VGGConfig(ImageClassifierConfig):
     """Hyperparameters of a VGG-BN network (defaults: torchvision's vgg19_bn on 32x32 input).
 
     Attributes:
@@ -76,9 +76,6 @@ class VGGConfig(ModelConfig):
     bn_epsilon: float = 1e-5
     bn_axis_name: str | None = None
 
-    task: ClassVar[str] = "classification"
-    input_names: ClassVar[tuple[str, ...]] = ("image",)
-    target_names: ClassVar[tuple[str, ...]] = ("label",)
     mutable_collections: ClassVar[tuple[str, ...]] = ("batch_stats",)
     rng_names: ClassVar[tuple[str, ...]] = ("dropout",)
 
@@ -103,10 +100,6 @@ class VGGConfig(ModelConfig):
 
     def build(self) -> VGG:
         return VGG(self)
-
-    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """float32 NHWC ``image`` and int32 ``label``."""
-        return image_batch(batch_size, self.image_size, self.image_size, self.num_channels)
 
 
 def feature_layout(stage_depths: tuple[int, ...]) -> list[tuple[str, int]]:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from resireduce_jax.models import attention
-from resireduce_jax.models.config import ChainStage, ModelConfig, dense, image_batch, layer_norm
+from resireduce_jax.models.config import ChainStage, ImageClassifierConfig, dense, layer_norm
 
 __all__ = [
     "MLP",
@@ -51,7 +51,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ViTConfig(ModelConfig):
+class ViTConfig(ImageClassifierConfig):
     """Hyperparameters of a Vision Transformer (defaults: ViT-B/16 on 224x224, 1000 classes).
 
     Attributes:
@@ -80,9 +80,6 @@ class ViTConfig(ModelConfig):
     attention_dropout_rate: float = 0.0
     layer_norm_epsilon: float = 1e-6
 
-    task: ClassVar[str] = "classification"
-    input_names: ClassVar[tuple[str, ...]] = ("image",)
-    target_names: ClassVar[tuple[str, ...]] = ("label",)
     rng_names: ClassVar[tuple[str, ...]] = ("dropout",)
 
     def validate(self) -> None:
@@ -119,10 +116,6 @@ class ViTConfig(ModelConfig):
 
     def chain_stages(self) -> list[ChainStage]:
         return chain_stages(self)
-
-    def example_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """float32 NHWC ``image`` and int32 ``label``."""
-        return image_batch(batch_size, self.image_size, self.image_size, self.num_channels)
 
 
 _weight_init = nn.initializers.truncated_normal(0.02)
