@@ -142,6 +142,7 @@ def test_two_processes_match_one_process_with_the_same_devices_per_process(tmp_p
     )
 
 
+@pytest.mark.xdist_group("multiprocess_reference")  # one worker runs `reference` once
 @pytest.mark.slow
 def test_two_by_two_processes_are_close_to_one_process_with_four_workers(reference, tmp_path):
     """2 processes x 2 devices vs 1 process x 4 workers: same losses, params within 5 %.
@@ -290,6 +291,7 @@ def test_one_by_eight_and_two_by_four_differ_only_by_the_dense_all_reduce(tmp_pa
 # ------------------------------------------------------------------ preemption and crashes
 
 
+@pytest.mark.xdist_group("multiprocess_reference")  # one worker runs `reference` once
 @pytest.mark.slow
 def test_sigterm_then_sigkill_then_resume_is_bit_identical(reference, tmp_path):
     """A preempted job (SIGTERM), resumed, then killed (SIGKILL), then resumed to the end.

@@ -24,6 +24,20 @@ from tests.test_cli import run_cli
 
 GiB, MiB = 2**30, 2**20
 
+# The tests share compiled programs (``compile_fn``, ``gpt_compilers``, ``_phased_gpt``):
+# each is compiled once per worker, and this module's tests share a worker.
+pytestmark = pytest.mark.xdist_group("planner")
+
+
+def test_the_modules_tests_share_one_xdist_worker(request):
+    """Under ``pytest -n``, ``--dist loadgroup`` (pyproject.toml) sends this module's tests to
+    one worker, so its compiled programs are compiled once. pytest 9.2 silently stops the
+    grouping (pytest-xdist#1386; pyproject.toml keeps pytest below it)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("tests are grouped only under pytest-xdist (-n)")
+    assert request.node.nodeid.endswith("@planner"), request.node.nodeid
+
+
 # ------------------------------------------------------------------ budgets
 
 

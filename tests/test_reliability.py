@@ -40,6 +40,7 @@ def _copy_step(src_workdir: str, step: int, dst_dir: str, *, committed: bool = T
         os.remove(os.path.join(dst_dir, checkpointing.COMMIT_MARKER))
 
 
+@pytest.mark.xdist_group("reliability_reference")  # one worker runs `reference` once
 @pytest.mark.slow
 def test_half_written_checkpoints_are_never_resumed_from(reference, tmp_path):
     """Only step 4 is complete; a temporary dir and a step dir without marker are not.
@@ -70,6 +71,7 @@ def test_half_written_checkpoints_are_never_resumed_from(reference, tmp_path):
     assert steps == list(range(5, 13))  # resumed after step 4
 
 
+@pytest.mark.xdist_group("reliability_reference")  # one worker runs `reference` once
 def test_final_state_skips_uncommitted_steps(reference, tmp_path):
     workdir = str(tmp_path / "run")
     ckpt = os.path.join(workdir, "checkpoints")
@@ -81,6 +83,7 @@ def test_final_state_skips_uncommitted_steps(reference, tmp_path):
         train.final_state(workdir)
 
 
+@pytest.mark.xdist_group("reliability_reference")  # one worker runs `reference` once
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_resume_is_bit_identical(reference, tmp_path):
     workdir = str(tmp_path / "run")
