@@ -10,8 +10,8 @@ under every exchange variant and several seeds, with nothing else changed:
 * ``ef``: top-k with plain error feedback, one residual per compressed leaf (the baseline);
 * ``a``, ``w``, ``2d``, ``w+2d``: ResiReduce's reduced residuals (shared average / weighted
   residual per group of same-shape leaves, 2-D intra-layer residual, both);
-* ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals stored in bfloat16
-  (beyond the paper).
+* ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals stored in bfloat16;
+  ``ef+f8``, ``w+2d+f8``: in float8 (e4m3), compressed-momentum Adam only (beyond the paper).
 
 Seeds change the parameter initialization, the data order and the per-step PRNG keys;
 seed ``s`` is the same for every variant, so differences between variants are paired.
@@ -79,9 +79,22 @@ from typing import Any, NamedTuple
 
 from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
-# Exchange variants (train/compiled_step.py vocabulary: "+bf16" = bfloat16 residuals;
-# "dgc": DGC's own memory, SGD tasks only).
-VARIANTS = ("dense", "none", "ef", "ef+bf16", "dgc", "a", "w", "2d", "w+2d", "w+2d+bf16")
+# Exchange variants (train/compiled_step.py vocabulary: "+bf16" / "+f8" = bfloat16 / float8
+# residuals; "dgc": DGC's own memory, SGD tasks only).
+VARIANTS = (
+    "dense",
+    "none",
+    "ef",
+    "ef+bf16",
+    "ef+f8",
+    "dgc",
+    "a",
+    "w",
+    "2d",
+    "w+2d",
+    "w+2d+bf16",
+    "w+2d+f8",
+)
 
 
 class Metric(NamedTuple):
@@ -319,7 +332,10 @@ def _has_dense_phase(task: Task, recipe: str) -> bool:
 def applicable(task: Task, recipe: str, variant: str) -> bool:
     """Whether a (recipe, variant) row makes sense on ``task``: dense only as the base, DGC's
     memory only on SGD tasks and never after a dense phase (the config refuses it: momentum
-    factor masking would clear the whole momentum every dense step)."""
+    factor masking would clear the whole momentum every dense step), float8 residuals only
+    under compressed-momentum Adam (the config refuses them elsewhere)."""
+    if variant.endswith("+f8"):
+        return recipe.startswith("cm") and not task.sgd
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":

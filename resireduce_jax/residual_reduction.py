@@ -246,8 +246,9 @@ def resireduce(
         compensated gradient ``G~`` (``"compensated"``, the reference code's ``update``
         in ``dimcprs.py``, ``dimcprs2d.py``, ``resireduce*.py``). Used with both
         ``selection`` modes.
-      residual_dtype: storage dtype of residuals (e.g. ``jnp.bfloat16``); default: the
-        leaf's dtype. Beyond the paper.
+      residual_dtype: storage dtype of residuals (e.g. ``jnp.bfloat16``; float8 only for
+        residuals of order 1, as :func:`~resireduce_jax.error_feedback` says); default:
+        the leaf's dtype. Beyond the paper.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys (compressor randomness, softmax sampling).
 

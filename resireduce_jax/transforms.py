@@ -182,7 +182,10 @@ def error_feedback(
       seed: seed of the per-step keys of randomized compressors.
       residual_dtype: storage dtype of the residuals (e.g. ``jnp.bfloat16``: half of
         float32's bytes; the new residual is rounded to it, so mass is conserved up to
-        that rounding); default: each leaf's dtype. Beyond the paper.
+        that rounding); default: each leaf's dtype. A float8 dtype (``jnp.float8_e4m3fn``,
+        a quarter) keeps magnitudes from 2⁻⁹ to 448 only: it suits residuals of order 1,
+        such as :func:`~resireduce_jax.compressed_momentum_adam`'s (in its update's units),
+        not a raw gradient's, which it would flush to zero. Beyond the paper.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an

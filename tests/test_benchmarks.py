@@ -128,6 +128,12 @@ def test_with_variant_spells_bf16_residuals():
         assert config_of_plain.compression.residual_dtype == ""
         assert compiled_step.variant_label(config_of_plain) == plain
     assert compiled_step.variant_label(compiled_step.with_variant(config, "ef+bf16")) == "ef+bf16"
+    float8 = compiled_step.with_variant(config, "ef+f8")
+    assert (float8.compression.variant, float8.compression.residual_dtype) == (
+        "ef",
+        "float8_e4m3fn",
+    )
+    assert compiled_step.variant_label(float8) == "ef+f8"
     with pytest.raises(ValueError, match="variant"):
         compiled_step.with_variant(config, "w+3d")
 

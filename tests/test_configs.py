@@ -379,28 +379,39 @@ def test_norm_source_reaches_the_transform_plan(norm_source):
         assert {p.norm_source for p in intra} == {norm_source}
 
 
-def test_error_feedback_keeps_its_residuals_in_the_configs_residual_dtype():
+@pytest.mark.parametrize(
+    "residual_dtype, label, shrink",
+    [("bfloat16", "ef+bf16", 2), ("float8_e4m3fn", "ef+f8", 4)],
+)
+def test_error_feedback_keeps_its_residuals_in_the_configs_residual_dtype(
+    residual_dtype, label, shrink
+):
     """``ef`` with ``residual_dtype``: one full residual per compressed leaf, as plain error
-    feedback, each stored in bfloat16 (half its bytes)."""
+    feedback, each stored in bfloat16 (half its bytes) or float8 (a quarter; with
+    compressed-momentum Adam, whose residual is in its update's units)."""
     from train import compiled_step
 
     c = load_config("default")
     c.compression.variant = "ef"
     params = models.abstract_variables(c.model.name)["params"]
     plain = factory.build_exchange(c.compression)
-    c.compression.residual_dtype = "bfloat16"
+    c.compression.residual_dtype = residual_dtype
+    if residual_dtype == "float8_e4m3fn":
+        c.optimizer.name = "compressed_momentum_adam"
+        c.optimizer.kwargs = {}
+        c.compression.density_schedule.dense_fraction = 0.05
     config_schema.validate(c, known_models=models.MODELS)
     reduced = factory.build_exchange(c.compression)
     stores = reduced.plan(params).stores
     assert [s.kind for s in stores] == ["leaf"] * len(plain.plan(params).stores)
-    assert {np.dtype(s.dtype) for s in stores} == {np.dtype(jax.numpy.bfloat16)}
-    assert compiled_step.variant_label(c) == "ef+bf16"
+    assert {np.dtype(s.dtype) for s in stores} == {np.dtype(residual_dtype)}
+    assert compiled_step.variant_label(c) == label
 
     def residual_bytes(tx):
         state = jax.eval_shape(tx.init, params)
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.residuals))
 
-    assert 2 * residual_bytes(reduced) == residual_bytes(plain) > 0
+    assert shrink * residual_bytes(reduced) == residual_bytes(plain) > 0
 
 
 def test_compiled_peak_drops_by_most_of_the_state_saving():

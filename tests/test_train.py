@@ -76,6 +76,10 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
             lambda c: c.compression.update(variant="dgc", residual_dtype="bfloat16"),
             "variant='dgc': DGC keeps its own",
         ),
+        (
+            lambda c: c.compression.update(residual_dtype="float8_e4m3fn"),
+            "residual_dtype='float8_e4m3fn' with optimizer.name='sgd'.*compressed_momentum_adam",
+        ),
         (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
     ],
 )
@@ -136,6 +140,7 @@ COMPRESSED_MOMENTUM = {
     "optimizer.kwargs": {},
     "compression.density_schedule.dense_fraction": 0.25,  # 3 dense steps
     "compression.density_schedule.dgc_fraction": 0.25,  # then 25 %, 6.25 %, 1.5625 %
+    "compression.residual_dtype": "float8_e4m3fn",  # restored bit for bit as well
 }
 
 
@@ -157,6 +162,8 @@ def test_resume_is_bit_identical(tmp_path, changes):
     chex.assert_trees_all_equal(a, b)  # params, optimizer, per-worker residuals, BN state
     residuals = [x for x in jax.tree.leaves(a["opt_state"]) if x.ndim >= 3]
     assert residuals and all(r.shape[0] == 8 for r in residuals)
+    dtype = np.dtype(config.compression.residual_dtype or np.float32)
+    assert {r.dtype for r in residuals} == {dtype}
     train_a = [r for r in metrics_lib.read_metrics(str(full)) if r["split"] == "train"]
     train_b = [r for r in metrics_lib.read_metrics(str(split)) if r["split"] == "train"]
     assert [r["loss"] for r in train_a] == [r["loss"] for r in train_b]

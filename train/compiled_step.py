@@ -66,6 +66,8 @@ AXIS = "data"  # train.train.AXIS
 # compile_step(density_phase=SWITCH_PHASES): no static phase, the exchange's lax.switch.
 SWITCH_PHASES = "switch"
 BF16_SUFFIX = "+bf16"
+# Variant suffixes for residuals stored in a narrower dtype than the gradients'.
+RESIDUAL_DTYPE_SUFFIXES = {BF16_SUFFIX: "bfloat16", "+f8": "float8_e4m3fn"}
 MiB = 2**20
 
 
@@ -73,29 +75,35 @@ def with_variant(
     config: ml_collections.ConfigDict, variant: str | None
 ) -> ml_collections.ConfigDict:
     """A copy of ``config`` whose compression is ``variant``: ``"w+2d+bf16"`` stores its
-    residuals in bfloat16, ``"w+2d"`` or ``"ef"`` in the gradients' dtype, whatever the
-    config's ``residual_dtype`` (``None``: the config as it is)."""
+    residuals in bfloat16, ``"ef+f8"`` in float8 (e4m3), ``"w+2d"`` or ``"ef"`` in the
+    gradients' dtype, whatever the config's ``residual_dtype`` (``None``: the config as
+    it is)."""
     config = config.copy_and_resolve_references()
     if variant is None:
         return config
     with config.unlocked():
-        bf16 = variant.endswith(BF16_SUFFIX)
-        config.compression.residual_dtype = "bfloat16" if bf16 else ""
-        variant = variant.removesuffix(BF16_SUFFIX)
+        residual_dtype = ""
+        for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items():
+            if variant.endswith(suffix):
+                variant, residual_dtype = variant.removesuffix(suffix), dtype
+        config.compression.residual_dtype = residual_dtype
         if variant not in config_schema.VARIANTS:
             raise ValueError(
                 f"variant {variant!r}; choose one of {list(config_schema.VARIANTS)}, "
-                f"optionally with {BF16_SUFFIX!r}."
+                f"optionally with one of {list(RESIDUAL_DTYPE_SUFFIXES)}."
             )
         config.compression.variant = variant
     return config
 
 
 def variant_label(config: ml_collections.ConfigDict) -> str:
-    """``compression.variant`` with ``+bf16`` when its residuals are stored in bfloat16."""
+    """``compression.variant`` with ``+bf16`` / ``+f8`` when its residuals are stored in
+    bfloat16 / float8."""
     comp = config.compression
-    bf16 = comp.residual_dtype == "bfloat16" and comp.variant not in ("dense", "none")
-    return comp.variant + (BF16_SUFFIX if bf16 else "")
+    if comp.variant in ("dense", "none"):
+        return comp.variant
+    suffixes = {dtype: suffix for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items()}
+    return comp.variant + suffixes.get(comp.residual_dtype, "")
 
 
 def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:

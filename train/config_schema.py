@@ -33,6 +33,9 @@ __all__ = [
 # Residual variant -> (inter, intra) of resireduce_jax.resireduce; see parse_variant.
 # "dgc": Deep Gradient Compression's memory instead of error feedback (SGD only).
 VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "d", "2d", "a+d", "a+2d", "w+d", "w+2d")
+# Residual storage dtypes ("": the gradients'); float8 only for compressed_momentum_adam.
+FLOAT8 = "float8_e4m3fn"
+RESIDUAL_DTYPES = ("", "float32", "bfloat16", "float16", FLOAT8)
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
 
 
@@ -320,9 +323,23 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             raise ConfigError(f"compression.rules pattern {rule[0]!r} is invalid: {e}.") from None
     _check(comp.max_group_size >= 0, "compression.max_group_size must be >= 0 (0 = unlimited).")
     _check(
-        comp.residual_dtype in ("", "float32", "bfloat16", "float16"),
-        f"compression.residual_dtype={comp.residual_dtype!r}; choose '', 'float32', "
-        "'bfloat16' or 'float16'.",
+        comp.residual_dtype in RESIDUAL_DTYPES,
+        f"compression.residual_dtype={comp.residual_dtype!r}; choose one of "
+        f"{list(RESIDUAL_DTYPES)}.",
+    )
+    _check(
+        comp.residual_dtype != FLOAT8
+        or (
+            config.optimizer.name == "compressed_momentum_adam"
+            and dict(config.optimizer.kwargs).get("compressed", "update") == "update"
+        ),
+        f"compression.residual_dtype={FLOAT8!r} with optimizer.name={config.optimizer.name!r} "
+        f"(kwargs {dict(config.optimizer.kwargs)}): "
+        "float8 (e4m3) keeps magnitudes from 2**-9 to 448, which fits the residual of "
+        "compressed_momentum_adam (kept in the units of its update, about 1, unless it "
+        "compresses the raw momentum: compressed='momentum') but would "
+        "flush most of a gradient's residual to zero; choose optimizer.name="
+        "'compressed_momentum_adam' or residual_dtype='bfloat16'.",
     )
     _check(
         not comp.residual_dtype or comp.variant not in ("dense", "none", "dgc"),
