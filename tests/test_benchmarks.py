@@ -134,8 +134,9 @@ def test_with_variant_spells_bf16_residuals():
         "float8_e4m3fn",
     )
     assert compiled_step.variant_label(float8) == "ef+f8"
-    with pytest.raises(ValueError, match="variant"):
-        compiled_step.with_variant(config, "w+3d")
+    for wrong in ("w+3d", "w+2d+f8+bf16"):
+        with pytest.raises(ValueError, match="variant"):
+            compiled_step.with_variant(config, wrong)
 
 
 def test_compiled_step_peak_is_memory_analysis_sum():

@@ -86,6 +86,7 @@ def with_variant(
         for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items():
             if variant.endswith(suffix):
                 variant, residual_dtype = variant.removesuffix(suffix), dtype
+                break
         config.compression.residual_dtype = residual_dtype
         if variant not in config_schema.VARIANTS:
             raise ValueError(
