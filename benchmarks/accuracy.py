@@ -335,7 +335,8 @@ def applicable(task: Task, recipe: str, variant: str) -> bool:
     factor masking would clear the whole momentum every dense step), float8 residuals only
     under compressed-momentum Adam (the config refuses them elsewhere)."""
     if variant.endswith("+f8"):
-        return recipe.startswith("cm") and not task.sgd
+        optimizer = RECIPES[recipe].overrides(task).get("optimizer.name")
+        return optimizer == "compressed_momentum_adam"
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":

@@ -65,9 +65,9 @@ __all__ = [
 AXIS = "data"  # train.train.AXIS
 # compile_step(density_phase=SWITCH_PHASES): no static phase, the exchange's lax.switch.
 SWITCH_PHASES = "switch"
-BF16_SUFFIX = "+bf16"
 # Variant suffixes for residuals stored in a narrower dtype than the gradients'.
-RESIDUAL_DTYPE_SUFFIXES = {BF16_SUFFIX: "bfloat16", "+f8": "float8_e4m3fn"}
+RESIDUAL_DTYPE_SUFFIXES = {"+bf16": "bfloat16", "+f8": "float8_e4m3fn"}
+_SUFFIX_OF_DTYPE = {dtype: suffix for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items()}
 MiB = 2**20
 
 
@@ -103,8 +103,7 @@ def variant_label(config: ml_collections.ConfigDict) -> str:
     comp = config.compression
     if comp.variant in ("dense", "none"):
         return comp.variant
-    suffixes = {dtype: suffix for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items()}
-    return comp.variant + suffixes.get(comp.residual_dtype, "")
+    return comp.variant + _SUFFIX_OF_DTYPE.get(comp.residual_dtype, "")
 
 
 def worker_axes(config: ml_collections.ConfigDict) -> str | tuple[str, str]:
