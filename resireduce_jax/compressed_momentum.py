@@ -231,6 +231,11 @@ class _CompressedMomentum:
             mean_factor = clip_factor(global_norm(means), self.max_grad_norm)
 
         def leaf(mean, mu, nu, p, decayed):
+            if scaled:
+                # Recompute the denominator from v after the exchange: without the barrier
+                # XLA merges it with the one `to_send` computed, and every leaf's
+                # denominator stays alive across the exchange (a parameter-sized temp).
+                mean, nu = jax.lax.optimization_barrier((mean, nu))
             g = mean
             if self.max_grad_norm is not None:
                 g = mean * scalar_as(mean_factor, mean)
@@ -240,6 +245,8 @@ class _CompressedMomentum:
                 nu_new = jnp.where(warm, (1 - b2) * (g * g) + b2 * nu, nu)
                 bias1 = (1 - b1**count_inc).astype(mu_new.dtype)
                 u = (mu_new / bias1) / denominator(nu_new)
+                if scaled:  # compressed, the mean is the direction m / d already
+                    u = jnp.where(warm, u, mean / bias1)
                 if decayed:
                     u = u + decay * p
             else:
