@@ -5,9 +5,10 @@ from this directory. Results go to ``benchmarks/results/<name>.{json,md}``.
 
 Long explanations belong in the results markdown, not in the scripts: a generated
 markdown marks a place for hand-written text with a line ``<!-- prose: KEY -->``, and
-:func:`write_results` fills it with the block of that key from the committed
-``benchmarks/results/<name>.md`` (between ``<!-- prose: KEY -->`` and ``<!-- /prose -->``),
-so regenerating the figures keeps the text around them. A page leads with its table; its
+:func:`write_results` fills it with the block of that key from the page it replaces
+(between ``<!-- prose: KEY -->`` and ``<!-- /prose -->``; a new page in another folder
+takes the committed ``benchmarks/results/<name>.md``'s), so regenerating the figures keeps
+the text around them. A page leads with its table; its
 prose follows it.
 
 Every benchmark re-renders its markdown from its committed JSON without measuring again
@@ -131,10 +132,12 @@ def read_results(name: str, out: str | Path = RESULTS) -> Any:
 
 
 def write_markdown(name: str, markdown: str, out: str | Path = RESULTS, *, echo: bool = True):
-    """Writes ``<out>/<name>.md`` (prose filled in from the committed page); prints it."""
+    """Writes ``<out>/<name>.md``, its prose filled in from the page it replaces (from the
+    committed ``benchmarks/results/<name>.md`` where ``out`` has none); prints it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    text = fill_prose(markdown, name)
+    page = out / f"{name}.md"
+    text = fill_prose(markdown, name, page if page.exists() else None)
     text = text if text.endswith("\n") else text + "\n"
     (out / f"{name}.md").write_text(text)
     if echo:

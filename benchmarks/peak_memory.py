@@ -10,6 +10,8 @@ and lists what is alive at the peak. What the figures mean: ``results/peak_memor
     python benchmarks/peak_memory.py                       # all cases, both guards (long)
     python benchmarks/peak_memory.py --models resnet50 --guard plain --variants w+2d
     python benchmarks/peak_memory.py --models resnet50 --explain /tmp/rr_dump
+    python benchmarks/peak_memory.py --models bert_base --guard guard \
+        --optimizer compressed_momentum_adam --variants ef+f8 w+2d   # its compressed phase
     python benchmarks/peak_memory.py --from-json           # re-render the markdown
 """
 
@@ -65,6 +67,7 @@ CASES: dict[str, Case] = {
     ),
 }
 # Compared against plain EF ("ef"); "+bf16": residuals stored in bfloat16.
+CM_DENSE_FRACTION = 0.05  # a compressed-momentum optimizer's dense warm-up (byte_gpt's)
 VARIANTS = ("a", "w", "2d", "w+2d", "w+2d+bf16")
 ORIGINS = (
     "argument: params",
@@ -305,7 +308,9 @@ def temp_packing(dump_dir: str) -> dict[str, int]:
     return {"allocation": allocation, "most_alive": most}
 
 
-def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_root: str) -> dict:
+def _explain_in_subprocess(
+    model: str, variant: str, guard: bool | str, dump_root: str, optimizer: str | None = None
+) -> dict:
     """XLA dump flags are fixed at start-up: compile one step in a child process."""
     import subprocess
 
@@ -315,20 +320,32 @@ def _explain_in_subprocess(model: str, variant: str, guard: bool | str, dump_roo
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + flags}
     cmd = [sys.executable, __file__, "--models", model, "--_one", variant]
     flag = guard if isinstance(guard, str) else str(int(guard))
-    subprocess.run([*cmd, "--_guard", flag], check=True, env=env, cwd=ROOT)
+    cmd += ["--_guard", flag, *(["--optimizer", optimizer] if optimizer else [])]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return {**live_at_peak(dump_dir), "temp_packing": temp_packing(dump_dir)}
 
 
 # ------------------------------------------------------------------ the comparison
 
 
-def _compile(case: Case, variant: str, guard: bool | str):
-    """``guard``: ``False``, ``True`` (the config's guard mode) or a guard mode name."""
+def _compile(case: Case, variant: str, guard: bool | str, optimizer: str | None = None):
+    """``guard``: ``False``, ``True`` (the config's guard mode) or a guard mode name;
+    ``optimizer``: the training program's optimizer name in place of the config's.
+
+    The last phase of the density schedule is compiled; a compressed-momentum optimizer
+    gets the dense warm-up it needs (:data:`CM_DENSE_FRACTION` of the steps) where the
+    config has none, so its row is the compressed phase's.
+    """
     from train import compiled_step
 
     config = case.load()
     if isinstance(guard, str):
         config.compression.guard_mode = guard
+    if optimizer:
+        config.optimizer.name = optimizer
+        schedule = config.compression.density_schedule
+        if optimizer.startswith("compressed_momentum") and not schedule.dense_fraction:
+            schedule.dense_fraction = CM_DENSE_FRACTION
     return compiled_step.compile_step(
         config,
         variant=variant,
@@ -340,9 +357,14 @@ def _compile(case: Case, variant: str, guard: bool | str):
 
 
 def measure(
-    name: str, case: Case, guard: bool | str, variants: tuple[str, ...] | None = None
+    name: str,
+    case: Case,
+    guard: bool | str,
+    variants: tuple[str, ...] | None = None,
+    optimizer: str | None = None,
 ) -> dict[str, Any]:
-    """Compiles EF and each of ``variants`` (default: the config's) and compares them.
+    """Compiles EF and each of ``variants`` (default: the config's) and compares them
+    (``optimizer``: see :func:`_compile`).
 
     The top-level ``variant``, ``state_saving``, ``peak_drop`` and ``ratio`` are those of
     the first variant.
@@ -352,7 +374,7 @@ def measure(
     variants = tuple(variants or (case.load().compression.variant,))
     steps: dict[str, dict[str, Any]] = {}
     for variant in ("ef", *variants):
-        step = _compile(case, variant, guard)
+        step = _compile(case, variant, guard, optimizer)
         steps[variant] = {
             **step.peak.as_dict(),
             "residual_bytes": rr.memory.model_state_bytes(step.params, step.tx).residuals,
@@ -371,6 +393,7 @@ def measure(
         "model": name,
         "guard": guard,
         "description": case.description,
+        "optimizer": optimizer,
         "steps": steps,
         "variant": variants[0],
         **{k: first[k] for k in ("state_saving", "peak_drop", "ratio")},
@@ -396,6 +419,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"## {model}",
             "",
             *([rows[0]["description"] + ".", ""] if rows[0]["description"] else []),
+            *(
+                [f"Optimizer `{rows[0]['optimizer']}`, the compressed phase.", ""]
+                if rows[0].get("optimizer")
+                else []
+            ),
         ]
         lines += [
             "| guard | variant | peak | temp | residuals | state saving | peak drop "
@@ -476,6 +504,11 @@ def main(argv: list[str] | None = None) -> None:
         default="both",
         help="both: none and the default guard; strict: the strict guard; all: the three",
     )
+    parser.add_argument(
+        "--optimizer",
+        default=None,
+        help="the optimizer's name in place of each config's (e.g. compressed_momentum_adam)",
+    )
     parser.add_argument("--out", default=None, help="directory for peak_memory.{json,md}")
     parser.add_argument(
         "--explain", metavar="DIR", help="dump the steps and show what is alive at the peak"
@@ -496,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime.configure_cpu(NUM_WORKERS)
     if args._one:  # child process of --explain: compile one step with dump flags
         guard = {"0": False, "1": True}.get(args._guard, args._guard)
-        _compile(CASES[args.models[0]], args._one, guard)
+        _compile(CASES[args.models[0]], args._one, guard, args.optimizer)
         return
 
     guards = {
@@ -509,10 +542,11 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in args.models:
         for guard in guards:
-            r = measure(name, CASES[name], guard, tuple(args.variants))
+            r = measure(name, CASES[name], guard, tuple(args.variants), args.optimizer)
             if args.explain:
                 r["explain"] = {
-                    v: _explain_in_subprocess(name, v, guard, args.explain) for v in r["steps"]
+                    v: _explain_in_subprocess(name, v, guard, args.explain, args.optimizer)
+                    for v in r["steps"]
                 }
             results.append(r)
             for variant in args.variants:

@@ -118,6 +118,20 @@ def test_fill_prose_keeps_hand_written_blocks(tmp_path):
     )
 
 
+def test_a_page_in_another_folder_keeps_its_own_prose(tmp_path):
+    """A results page outside ``benchmarks/results`` (a variant of a benchmark's run)
+    starts from the committed page's prose and keeps its own once written."""
+    name = "peak_memory"
+    committed = common.fill_prose("<!-- prose: about -->\n", name)
+    generated = "| 1 |\n<!-- prose: about -->\n"
+    common.write_markdown(name, generated, tmp_path, echo=False)
+    page = tmp_path / f"{name}.md"
+    assert page.read_text() == "| 1 |\n" + committed
+    page.write_text("| 1 |\n<!-- prose: about -->\nIts own.\n<!-- /prose -->\n")
+    common.write_markdown(name, generated.replace("1", "2"), tmp_path, echo=False)
+    assert page.read_text() == "| 2 |\n<!-- prose: about -->\nIts own.\n<!-- /prose -->\n"
+
+
 def test_with_variant_spells_bf16_residuals():
     config = compiled_step.with_variant(common.load_config("default"), "w+2d+bf16")
     assert config.compression.variant == "w+2d"
