@@ -420,7 +420,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
             "",
             *([rows[0]["description"] + ".", ""] if rows[0]["description"] else []),
             *(
-                [f"Optimizer `{rows[0]['optimizer']}`, the compressed phase.", ""]
+                [f"Optimizer `{rows[0]['optimizer']}`, the density schedule's last phase.", ""]
                 if rows[0].get("optimizer")
                 else []
             ),
