@@ -333,8 +333,8 @@ def _compile(case: Case, variant: str, guard: bool | str, optimizer: str | None 
     ``optimizer``: the training program's optimizer name in place of the config's.
 
     The last phase of the density schedule is compiled; a compressed-momentum optimizer
-    gets the dense warm-up it needs (:data:`CM_DENSE_FRACTION` of the steps) where the
-    config has none, so its row is the compressed phase's.
+    gets the recipe's dense warm-up (:data:`CM_DENSE_FRACTION` of the steps; the Adam one
+    requires a warm-up) where the config has none, so its row is the compressed phase's.
     """
     from train import compiled_step
 

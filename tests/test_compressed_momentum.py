@@ -281,10 +281,8 @@ def test_compressed_phase_holds_no_denominator_beside_the_exchange():
         return jnp.sum(x @ p["emb"].T)
 
     def temp(tx, **phase):
-        step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
-        p, s = step.init(params)
-        lowered = step.lower(p, s, rr.parallel.shard_batch(batch, mesh), **phase)
-        return rr.hlo.peak_memory(lowered.compile()).temp
+        sharded = rr.parallel.shard_batch(batch, mesh)
+        return th.step_memory(loss_fn, tx, params, sharded, mesh, **phase).temp
 
     topk = rr.compressors.topk(rr.compressors.dense_warmup(1, 0.01))
     exchange = rr.error_feedback(topk, residual_dtype=jnp.float8_e4m3fn)

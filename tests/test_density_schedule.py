@@ -431,10 +431,8 @@ def test_a_dense_warmup_program_costs_w2d_no_more_than_ef_at_the_compiled_peak()
 
     def dense_phase_peak(exchange):
         tx = rr.skip_nonfinite(optax.chain(exchange, optax.adam(1e-3)))
-        step = rr.parallel.data_parallel_step(loss, tx, mesh)
-        p, s = step.init(jax.tree.map(np.copy, params))
         batch = rr.parallel.shard_batch(batches[0], mesh)
-        return hlo.peak_memory(step.lower(p, s, batch, density_phase=0).compile())
+        return th.step_memory(loss, tx, jax.tree.map(np.copy, params), batch, mesh, density_phase=0)
 
     ef = dense_phase_peak(rr.error_feedback(rr.compressors.topk(sched), min_size=MIN_SIZE))
     w2d = dense_phase_peak(_w2d(rr.compressors.topk(sched)))

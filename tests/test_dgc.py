@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
-from resireduce_jax import hlo
 from tests import transform_harness as th
 
 MIN_SIZE = 1000
@@ -283,10 +282,7 @@ def test_dgc_step_needs_no_more_temp_than_error_feedback_with_momentum():
         return sum(jnp.vdot(p[k], b[k][0]) for k in p)
 
     def temp(tx):
-        step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
-        p, s = step.init(params)
-        compiled = step.lower(p, s, rr.parallel.shard_batch(batch, mesh)).compile()
-        return hlo.peak_memory(compiled).temp
+        return th.step_memory(loss_fn, tx, params, rr.parallel.shard_batch(batch, mesh), mesh).temp
 
     topk = rr.compressors.topk(0.01)
     dgc = temp(rr.deep_gradient_compression(topk, 0.1, 0.9, clip_norm=1.0))

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
-from resireduce_jax import hlo
 from tests import transform_harness as th
 
 W, L, S = 8, 4, 4
@@ -345,9 +344,7 @@ def test_compiled_peak_of_a_scanned_model_drops_by_the_residual_saving():
 
     def peak(transform):
         tx = optax.chain(transform, optax.sgd(0.1, momentum=0.9))
-        step = rr.parallel.data_parallel_step(loss, tx, mesh)
-        p, s = step.init(params)
-        return hlo.peak_memory(step.lower(p, s, batch).compile()).peak
+        return th.step_memory(loss, tx, params, batch, mesh).peak
 
     topk, stacks = C.topk(0.01), {"layers": 0}
     baseline = peak(rr.error_feedback(topk, layer_stacks=stacks))

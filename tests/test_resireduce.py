@@ -11,7 +11,6 @@ import optax
 import pytest
 
 import resireduce_jax as rr
-from resireduce_jax import hlo
 from tests import transform_harness as th
 
 W = 8
@@ -353,9 +352,7 @@ def test_compiled_peak_drops_by_the_residual_state_saving():
 
     def peak(transform):
         tx = optax.chain(transform, optax.sgd(0.1, momentum=0.9))
-        step = rr.parallel.data_parallel_step(_mlp_loss(layers), tx, mesh)
-        p, s = step.init(params)
-        return hlo.peak_memory(step.lower(p, s, batch).compile()).peak
+        return th.step_memory(_mlp_loss(layers), tx, params, batch, mesh).peak
 
     topk = rr.compressors.topk(0.01)
     baseline = peak(rr.error_feedback(topk))
@@ -407,9 +404,7 @@ def test_compensated_norms_keep_no_second_leaf_sized_buffer():
             rr.compressors.topk(0.01), inter="none", intra_layers="big", norm_source=norm_source
         )
         tx = optax.chain(exchange, optax.sgd(0.1))
-        step = rr.parallel.data_parallel_step(_mlp_loss_named("big"), tx, mesh)
-        p, s = step.init(params)
-        return hlo.peak_memory(step.lower(p, s, batch).compile()).peak
+        return th.step_memory(_mlp_loss_named("big"), tx, params, batch, mesh).peak
 
     leaf = width * width * 4
     by_residual, by_compensated = peak("residual"), peak("compensated")

@@ -3,7 +3,8 @@
 ``run_shard_map`` and ``run_pmap`` apply ``tx.update`` for several steps to gradients
 given per worker (leading axis = worker), returning the per-step outputs and the final
 state with a leading worker axis on every leaf, so tests can compare workers with each
-other and with numpy references.
+other and with numpy references. ``step_memory`` compiles a data-parallel train step and
+reads its peak-memory figures.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ AXIS = "data"
 
 def mesh(num_workers: int = 8):
     return rr.parallel.make_mesh(num_workers, AXIS)
+
+
+def step_memory(
+    loss_fn: Any, tx: optax.GradientTransformation, params: Any, batch: Any, mesh, **lower
+) -> rr.hlo.PeakMemory:
+    """The compiled peak-memory figures of ``rr.parallel.data_parallel_step(loss_fn, tx,
+    mesh)`` on ``params`` and the sharded ``batch`` (``lower``: e.g. ``density_phase``);
+    nothing runs."""
+    step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
+    p, s = step.init(params)
+    return rr.hlo.peak_memory(step.lower(p, s, batch, **lower).compile())
 
 
 def run_shard_map(
