@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resireduce_jax import read_order
+from resireduce_jax import read_order, varying_dependence
 from resireduce_jax.nonfinite import SkipNonFiniteState, value_and_guarded_grad
 
 PyTree = Any
@@ -228,11 +229,14 @@ def state_partition_specs(
 ) -> PyTree:
     """PartitionSpecs of ``tx``'s state for ``shard_map``: ``P(axis)`` for per-worker leaves.
 
-    Traces (abstractly, nothing is computed or allocated) ``init`` and repeated ``update``
-    calls with worker-local gradients inside ``shard_map``, until the set of state leaves
-    whose value varies over ``axis_name`` stops growing. Those leaves hold per-worker data
-    (residuals, per-worker compressor state) and get ``P(axis_name)`` with a leading worker
-    axis in the global array; all others are replicated (``P()``).
+    Traces (abstractly, nothing is computed or allocated) ``init`` and ``update`` with
+    worker-local gradients inside ``shard_map``, the leaves found so far cast to varying,
+    until the set of state leaves whose value varies over ``axis_name`` stops growing.
+    Usually one trace settles it: when no other new state leaf depends on the ones it
+    found (:func:`resireduce_jax.varying_dependence.reached_outputs` on the update's
+    jaxpr), casting those to varying could not change the set. Those leaves hold
+    per-worker data (residuals, per-worker compressor state) and get ``P(axis_name)`` with
+    a leading worker axis in the global array; all others are replicated (``P()``).
 
     Args:
       tx: the optax transform (chain) used in the step.
@@ -246,7 +250,7 @@ def state_partition_specs(
       A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
     """
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-    flags_box: list[PyTree] = []
+    updates: list[ClosedJaxpr] = []
 
     def probe(params, flags):
         state = tx.init(params)
@@ -256,9 +260,9 @@ def state_partition_specs(
         grads = jax.tree.map(
             lambda p: lax.pcast(jnp.zeros_like(p), axis_name, to="varying"), params
         )
-        _, new_state = tx.update(grads, state, params)
-        flags_box.append(_varying_leaves(new_state, axis_name))
-        return jax.tree.map(lambda x: x[None], new_state)
+        # The update as a jaxpr of the state leaves (grads and params are its constants).
+        updates.append(jax.make_jaxpr(lambda s: tx.update(grads, s, params)[1])(state))
+        return jax.tree.map(lambda x: x[None], state)
 
     sharded = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, P())),
@@ -266,20 +270,30 @@ def state_partition_specs(
     )
     # init inside shard_map: a hierarchical exchange's plan reads the local axis size.
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
-    flags = jax.tree.map(lambda _: False, jax.eval_shape(init, sharded))
+    flags, treedef = jax.tree.flatten(jax.tree.map(lambda _: False, jax.eval_shape(init, sharded)))
+    axes = frozenset(_axes(axis_name))
     for _ in range(8):  # monotone: ends after at most (number of state leaves) rounds
-        flags_box.clear()
+        updates.clear()
         fn = jax.shard_map(
-            functools.partial(probe, flags=flags),
+            functools.partial(probe, flags=treedef.unflatten(flags)),
             mesh=mesh,
             in_specs=P(),
             out_specs=P(axis_name),
         )
         jax.eval_shape(fn, sharded)
-        new_flags = jax.tree.map(lambda a, b: a or b, flags, flags_box[-1])
+        (update,) = updates
+        varying = [bool(axes & set(a.manual_axis_type.varying)) for a in update.out_avals]
+        new_flags = [a or b for a, b in zip(flags, varying, strict=True)]
         if new_flags == flags:
             break
+        # Tracing again with the new per-worker leaves varying can only change the outputs
+        # that depend on them; when all of those are per-worker already, it changes nothing.
+        added = [new and not old for new, old in zip(new_flags, flags, strict=True)]
+        reached = varying_dependence.reached_outputs(update.jaxpr, added, axes)
         flags = new_flags
+        if not any(r and not f for r, f in zip(reached, flags, strict=True)):
+            break
+    return _specs_from_flags(treedef.unflatten(flags), axis_name)
     return _specs_from_flags(flags, axis_name)
 
 

@@ -1,0 +1,125 @@
+"""Which outputs of a jaxpr could change their varying-axis type if some inputs did.
+
+Inside ``shard_map`` every value carries the set of mesh axes it varies over (JAX's
+``check_vma`` types), and each equation computes its outputs' types from its operands'
+types alone. So an output whose value does not depend on an input keeps its type whatever
+that input's type is. :func:`reached_outputs` finds the outputs that do depend on a set of
+inputs, as a worker's value (a collective that reduces over every worker axis gives every
+worker the same value, so the dependence stops there).
+
+:func:`resireduce_jax.parallel.state_partition_specs` uses it to stop its fixed-point
+search after one trace: when no output outside the per-worker set depends on the state
+leaves just found to be per-worker, tracing again with those leaves varying could not
+change the set.
+
+The analysis may only err towards "reached": an equation it does not model reaches all of
+its outputs from any reached operand. It models the equations an optax transform's update
+is made of: calls (``jit``, ``checkpoint``, custom derivatives) by their bodies,
+``optimization_barrier`` operand by operand, ``scan`` to a fixed point over its carry,
+``cond`` by its branches, and the invariant collectives (``psum_invariant``,
+``all_gather_invariant``) over every worker axis as ending the dependence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jax.extend.core import Jaxpr, Var
+
+__all__ = ["reached_outputs"]
+
+_CALLS = (
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat",
+    "custom_jvp_call",
+    "custom_vjp_call",
+)
+_INVARIANT_COLLECTIVES = ("psum_invariant", "all_gather_invariant")
+
+
+def _axes_of(value) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset((value,))
+    return frozenset(value)
+
+
+def _body(params: dict):
+    """The called jaxpr of a call-like equation (open or closed), or ``None``."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = params.get(key)
+        if body is not None:
+            return getattr(body, "jaxpr", body)
+    return None
+
+
+def _equation(eqn, reached: list[bool], worker_axes: frozenset[str]) -> list[bool]:
+    """Which of ``eqn``'s outputs depend on its ``reached`` operands."""
+    name, params, outs = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if name == "optimization_barrier":
+        return list(reached)
+    if name in _INVARIANT_COLLECTIVES:
+        axes = _axes_of(params.get("axes", params.get("axis_name")))
+        if worker_axes <= axes:
+            return [False] * outs
+        return list(reached) if len(reached) == outs else [True] * outs
+    if name in _CALLS:
+        body = _body(params)
+        if body is not None and len(body.invars) == len(reached):
+            return reached_outputs(body, reached, worker_axes)
+    if name == "scan":
+        body = params["jaxpr"].jaxpr
+        consts, carries = params["num_consts"], params["num_carry"]
+        carry = list(reached[consts : consts + carries])
+        while True:  # a carry reached in one iteration is reached in the next
+            inputs = [*reached[:consts], *carry, *reached[consts + carries :]]
+            result = reached_outputs(body, inputs, worker_axes)
+            grown = [a or b for a, b in zip(carry, result[:carries], strict=True)]
+            if grown == carry:
+                return result
+            carry = grown
+    if name == "cond":
+        if reached[0]:  # the branch index
+            return [True] * outs
+        result = [False] * outs
+        for branch in params["branches"]:
+            branch_reached = reached_outputs(branch.jaxpr, reached[1:], worker_axes)
+            result = [a or b for a, b in zip(result, branch_reached, strict=True)]
+        return result
+    return [True] * outs
+
+
+def reached_outputs(
+    jaxpr: Jaxpr, reached_inputs: Sequence[bool], worker_axes: frozenset[str]
+) -> list[bool]:
+    """Per output of ``jaxpr``: does it depend on an input marked in ``reached_inputs``?
+
+    Args:
+      jaxpr: an open jaxpr (a ``ClosedJaxpr``'s ``.jaxpr``); its constants are not reached.
+      reached_inputs: one flag per ``jaxpr.invars``.
+      worker_axes: the mesh axes of the workers; a collective reducing over all of them
+        ends the dependence.
+
+    Returns:
+      One flag per ``jaxpr.outvars``; ``True`` may be a false alarm, ``False`` is certain.
+    """
+    if len(reached_inputs) != len(jaxpr.invars):
+        raise ValueError(f"{len(reached_inputs)} flags for a jaxpr of {len(jaxpr.invars)} inputs.")
+    reached = {v for v, r in zip(jaxpr.invars, reached_inputs, strict=True) if r}
+
+    def is_reached(v) -> bool:
+        return isinstance(v, Var) and v in reached
+
+    for eqn in jaxpr.eqns:
+        operands = [is_reached(v) for v in eqn.invars]
+        if not any(operands):
+            continue
+        for v, r in zip(eqn.outvars, _equation(eqn, operands, worker_axes), strict=True):
+            if r:
+                reached.add(v)
+    return [is_reached(v) for v in jaxpr.outvars]
