@@ -344,6 +344,13 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
     assert summary.memory["saving"] == 0.0  # ef vs ef
     with open(os.path.join(workdir, "config.json")) as f:
         assert json.load(f)["compression"]["variant"] == "ef"
+    # The three hidden layers (one shape) are the group ResiReduce-w would form.
+    with open(os.path.join(workdir, "residual_sharing.json")) as f:
+        (group,) = json.load(f)["12"].values()
+    assert group["members"] == [f"hidden_{i}/kernel" for i in (1, 2, 3)]
+    assert -1 <= group["cosine_min"] <= group["cosine_mean"] <= group["cosine_max"] <= 1
+    assert group["mean_error"] > 0
+    assert "Residual sharing at step 12" in out
 
 
 def test_a_run_compiles_the_density_phases_it_reaches(tmp_path, capsys):

@@ -10,11 +10,19 @@ Per-leaf residuals exist only where every layer keeps its own (variant ``ef``, o
 left as singletons); run the analysis with ``compression.variant=ef`` to see all layers,
 as the paper did before grouping. Outputs: ``<workdir>/residual_pdfs.npz`` (bin edges and
 densities per snapshot and leaf) and ``<workdir>/residual_pdfs_step<k>.png``.
+
+Overlapping distributions do not make a shared residual lossless: the members' values must
+agree coordinate by coordinate. For each group the run's grouping rules would form among the
+chosen leaves, :func:`sharing_report` measures that: the members' pairwise cosine
+similarity, and how much of each member's residual the shared store would lose, the
+relative error of ResiReduce-w's weighted mean (§4.2) against the member. Written to
+``<workdir>/residual_sharing.json`` per snapshot and printed at the end of the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any
@@ -24,7 +32,7 @@ import numpy as np
 
 import resireduce_jax as rr
 
-__all__ = ["Recorder", "per_leaf_residuals"]
+__all__ = ["Recorder", "per_leaf_residuals", "sharing_report"]
 
 
 def per_leaf_residuals(
@@ -61,23 +69,103 @@ def per_leaf_residuals(
     return out
 
 
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: a pytree whose leaf paths are the keys."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, name = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return tree
+
+
+def sharing_report(
+    residuals: dict[str, np.ndarray], grouping: rr.grouping.Grouping, phi: float = 0.5
+) -> dict[str, dict[str, Any]]:
+    """How well one residual could stand for each group's members (ResiReduce paper §4).
+
+    Args:
+      residuals: ``{leaf path: one worker's residual}`` (e.g. :func:`per_leaf_residuals`
+        of an error-feedback run).
+      grouping: the grouping rules (:mod:`resireduce_jax.grouping`) applied to these leaves.
+      phi: weight of the L1 term in ResiReduce-w's member weights.
+
+    Returns:
+      ``{group label: {"members", "cosine_mean", "cosine_min", "cosine_max",
+      "mean_error"}}`` for every group of two or more leaves: the pairwise cosine
+      similarities of the members' residuals, and the mean over members of
+      ``||r_i - r_w|| / ||r_i||``, where ``r_w`` is ResiReduce-w's weighted mean of the
+      members (1.0: the shared store keeps nothing of a member; 0: it loses nothing).
+    """
+    report = {}
+    for group in rr.grouping.resolve(_nested(residuals), grouping, min_size=0):
+        if len(group.paths) < 2:
+            continue
+        r = [np.asarray(residuals[p], np.float64).ravel() for p in group.paths]
+        norms = [float(np.linalg.norm(x)) or 1.0 for x in r]
+        cosines = [
+            float(r[i] @ r[j]) / (norms[i] * norms[j])
+            for i in range(len(r))
+            for j in range(i + 1, len(r))
+        ]
+        n = r[0].size
+        weights = [
+            phi * np.abs(x).sum() / n + (1 - phi) * np.linalg.norm(x) / np.sqrt(n) for x in r
+        ]
+        shared = sum(w * x for w, x in zip(weights, r, strict=True)) / (sum(weights) or 1.0)
+        errors = [float(np.linalg.norm(x - shared)) / m for x, m in zip(r, norms, strict=True)]
+        report[group.label] = {
+            "members": list(group.paths),
+            "cosine_mean": float(np.mean(cosines)),
+            "cosine_min": float(np.min(cosines)),
+            "cosine_max": float(np.max(cosines)),
+            "mean_error": float(np.mean(errors)),
+        }
+    return report
+
+
+def format_sharing(report: dict[str, dict[str, Any]]) -> str:
+    """The report as a table: one row a group."""
+    lines = [f"  {'group':<34s} {'members':>7s} {'cosine mean [min, max]':>24s} {'lost':>6s}"]
+    for label, row in report.items():
+        cosine = f"{row['cosine_mean']:+.3f} [{row['cosine_min']:+.3f}, {row['cosine_max']:+.3f}]"
+        lines.append(
+            f"  {label:<34s} {len(row['members']):>7d} {cosine:>24s} {row['mean_error']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
 @dataclasses.dataclass
 class Recorder:
-    """Collects residual histograms during a run and plots them."""
+    """Collects residual histograms (and how well groups could share one residual) during a
+    run and plots them."""
 
     pattern: re.Pattern | None
     every: int
     bins: int
     workdir: str
     enabled: bool
+    grouping: rr.grouping.Grouping | None = None
+    phi: float = 0.5
     snapshots: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = dataclasses.field(
         default_factory=dict
     )
+    sharing: dict[int, dict[str, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, workdir: str, is_main: bool) -> Recorder:
+    def from_config(
+        cls,
+        c: ml_collections.ConfigDict,
+        workdir: str,
+        is_main: bool,
+        grouping: rr.grouping.Grouping | None = None,
+        phi: float = 0.5,
+    ) -> Recorder:
         pattern = re.compile(c.layers) if c.layers else None
-        return cls(pattern, c.every, c.bins, workdir, enabled=is_main and pattern is not None)
+        enabled = is_main and pattern is not None
+        return cls(pattern, c.every, c.bins, workdir, enabled, grouping=grouping, phi=phi)
 
     def due(self, step: int, total: int) -> bool:
         if self.pattern is None:
@@ -101,6 +189,8 @@ class Recorder:
             k: (edges, np.histogram(v.ravel(), bins=edges, density=True)[0])
             for k, v in chosen.items()
         }
+        if self.grouping is not None:
+            self.sharing[step] = sharing_report(chosen, self.grouping, self.phi)
         self._plot(step)
 
     def _plot(self, step: int) -> None:
@@ -130,3 +220,14 @@ class Recorder:
                 arrays[f"step{step}/{name}/edges"] = edges
                 arrays[f"step{step}/{name}/density"] = density
         np.savez(os.path.join(self.workdir, "residual_pdfs.npz"), **arrays)
+        if self.sharing:
+            with open(os.path.join(self.workdir, "residual_sharing.json"), "w") as f:
+                json.dump({str(step): groups for step, groups in self.sharing.items()}, f, indent=1)
+            last = max(self.sharing)
+            if self.sharing[last]:
+                print(
+                    f"Residual sharing at step {last} (worker 0; 'lost': how far ResiReduce-w's "
+                    "shared residual is from a member's, relative to it):\n"
+                    + format_sharing(self.sharing[last]),
+                    flush=True,
+                )

@@ -628,7 +628,13 @@ def train_and_evaluate(
     # ------------------------------------------------------------ training
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
     progress = metrics_lib.Progress(start, run.total_steps, enabled=is_main)
-    analysis = residual_analysis.Recorder.from_config(config.residual_analysis, workdir, is_main)
+    analysis = residual_analysis.Recorder.from_config(
+        config.residual_analysis,
+        workdir,
+        is_main,
+        grouping=factory.build_grouping(config.compression),
+        phi=config.compression.phi,
+    )
     stop = _StopFlag()
     stop.install()
     raise_on_nonfinite = config.compression.nonfinite == "raise"
