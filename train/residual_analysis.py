@@ -27,12 +27,13 @@ import os
 import re
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 import resireduce_jax as rr
 
-__all__ = ["Recorder", "per_leaf_residuals", "sharing_report"]
+__all__ = ["Recorder", "format_sharing", "per_leaf_residuals", "sharing_report"]
 
 
 def per_leaf_residuals(
@@ -110,10 +111,8 @@ def sharing_report(
             for i in range(len(r))
             for j in range(i + 1, len(r))
         ]
-        n = r[0].size
-        weights = [
-            phi * np.abs(x).sum() / n + (1 - phi) * np.linalg.norm(x) / np.sqrt(n) for x in r
-        ]
+        # The store's own member weights (the values the run's stores would use).
+        weights = [float(rr.residual_stores.residual_weight(jnp.asarray(x), phi)) for x in r]
         shared = sum(w * x for w, x in zip(weights, r, strict=True)) / (sum(weights) or 1.0)
         errors = [float(np.linalg.norm(x - shared)) / m for x, m in zip(r, norms, strict=True)]
         report[group.label] = {
