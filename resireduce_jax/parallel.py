@@ -162,14 +162,14 @@ def shard_batch(batch: PyTree, mesh: Mesh, axis_name: AxisName | None = None) ->
     return jax.tree.map(place, batch)
 
 
+def _varies(aval: Any, axis_name: AxisName) -> bool:
+    """Does a value of this abstract type vary over (any of) ``axis_name``?"""
+    return any(a in aval.manual_axis_type.varying for a in _axes(axis_name))
+
+
 def _varying_leaves(tree: PyTree, axis_name: AxisName) -> PyTree:
     """Per leaf: does its (abstract) value vary over (any of) ``axis_name``? Trace time only."""
-    axes = _axes(axis_name)
-
-    def varies(x):
-        return any(a in jax.typeof(x).manual_axis_type.varying for a in axes)
-
-    return jax.tree.map(varies, tree)
+    return jax.tree.map(lambda x: _varies(jax.typeof(x), axis_name), tree)
 
 
 def _specs_from_flags(flags: PyTree, axis_name: AxisName) -> PyTree:
@@ -282,7 +282,7 @@ def state_partition_specs(
         )
         jax.eval_shape(fn, sharded)
         (update,) = updates
-        varying = [bool(axes & set(a.manual_axis_type.varying)) for a in update.out_avals]
+        varying = [_varies(a, axis_name) for a in update.out_avals]
         new_flags = [a or b for a, b in zip(flags, varying, strict=True)]
         if new_flags == flags:
             break
@@ -294,7 +294,6 @@ def state_partition_specs(
         if not any(r and not f for r, f in zip(reached, flags, strict=True)):
             break
     return _specs_from_flags(treedef.unflatten(flags), axis_name)
-    return _specs_from_flags(flags, axis_name)
 
 
 def abstract_state(

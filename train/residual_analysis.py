@@ -70,18 +70,6 @@ def per_leaf_residuals(
     return out
 
 
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: a pytree whose leaf paths are the keys."""
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        *parents, name = path.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[name] = value
-    return tree
-
-
 def sharing_report(
     residuals: dict[str, np.ndarray], grouping: rr.grouping.Grouping, phi: float = 0.5
 ) -> dict[str, dict[str, Any]]:
@@ -101,7 +89,8 @@ def sharing_report(
       members (1.0: the shared store keeps nothing of a member; 0: it loses nothing).
     """
     report = {}
-    for group in rr.grouping.resolve(_nested(residuals), grouping, min_size=0):
+    # A flat dict keyed by path is a pytree whose leaf paths are those keys.
+    for group in rr.grouping.resolve(residuals, grouping, min_size=0):
         if len(group.paths) < 2:
             continue
         r = [np.asarray(residuals[p], np.float64).ravel() for p in group.paths]
