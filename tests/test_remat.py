@@ -255,7 +255,9 @@ def test_gradients_equal_plain_grad_with_dropout_and_state(sequence_backward):
         )(params, x)
         out = fn(params, x)
         np.testing.assert_allclose(value, value0, rtol=1e-6, err_msg=plan.compact())
-        chex.assert_trees_all_close(grads, grads0, rtol=1e-5, atol=1e-6)
+        # Recomputing reorders float32 sums: an entry near zero may differ by ~1e-6 of the
+        # gradients' O(1) scale (seen on AMD EPYC hosts), hence atol 1e-5.
+        chex.assert_trees_all_close(grads, grads0, rtol=1e-5, atol=1e-5)
         # The carried state (running mean, PRNG key) comes out as without checkpointing.
         np.testing.assert_array_equal(out[2], out0[2])
         np.testing.assert_array_equal(jax.random.key_data(out[1]), jax.random.key_data(out0[1]))
