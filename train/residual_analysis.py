@@ -79,7 +79,10 @@ def sharing_report(
       residuals: ``{leaf path: one worker's residual}`` (e.g. :func:`per_leaf_residuals`
         of an error-feedback run).
       grouping: the grouping rules (:mod:`resireduce_jax.grouping`) applied to these leaves.
-      phi: weight of the L1 term in ResiReduce-w's member weights.
+      phi: weight of the L1 term in ResiReduce-w's member weights. The weights are
+        computed from the residuals themselves (``weight_source="residual"``, the default);
+        a run with ``weight_source="compensated"`` weighs by the compensated gradients,
+        which an EF run's residuals do not give, so its stores' weights differ.
 
     Returns:
       ``{group label: {"members", "cosine_mean", "cosine_min", "cosine_max",
@@ -100,7 +103,7 @@ def sharing_report(
             for i in range(len(r))
             for j in range(i + 1, len(r))
         ]
-        # The store's own member weights (the values the run's stores would use).
+        # The stores' own weight function, on the residuals (weight_source="residual").
         weights = [float(rr.residual_stores.residual_weight(jnp.asarray(x), phi)) for x in r]
         shared = sum(w * x for w, x in zip(weights, r, strict=True)) / (sum(weights) or 1.0)
         errors = [float(np.linalg.norm(x - shared)) / m for x, m in zip(r, norms, strict=True)]
