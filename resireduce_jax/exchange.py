@@ -133,6 +133,15 @@ class ExchangeState(NamedTuple):
     compressor_state: PyTree
 
 
+class PhaseStates(NamedTuple):
+    """A leaf's compressor state when the phases of its schedule keep differently shaped
+    states (a dense warm-up before PowerSGD: none, then ``Q``): one state per phase, each
+    carried unchanged through the other phases, so one program can switch between them.
+    Phases that keep the same state share it instead (the sparsifiers' ``()``)."""
+
+    phases: tuple[PyTree, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
     """How the exchange treats one layer stack (:mod:`resireduce_jax.layer_stacks`).
@@ -427,7 +436,7 @@ class _Exchange:
                 like = jax.ShapeDtypeStruct(store.group.shape, leaves[units[i].leaf].dtype)
                 for phase in self.phases:  # a shard's, a slice's
                     phase.compressor.validate(plan.paths[i], like)
-                cstates[units[i].leaf] = self._init_compressor_state(plan.paths[i], like)
+                cstates[units[i].leaf] = self._init_compressor_state(like)
         for stack_plan in plan.stack_plans:  # one state per slice, on a leading slice axis
             j, size = stack_plan.stack.leaf, stack_plan.stack.size
             cstates[j] = jax.tree.map(
@@ -443,20 +452,47 @@ class _Exchange:
             compressor_state=treedef.unflatten(cstates),
         )
 
-    def _init_compressor_state(self, path: str, like: jax.ShapeDtypeStruct) -> Any:
-        """The per-leaf compressor state, which every phase of a schedule must share."""
-        first = self.phases[0].compressor.init(like)
-        for phase in self.phases[1:]:
-            if jax.eval_shape(lambda c=phase.compressor: c.init(like)) != jax.eval_shape(
-                lambda: first
-            ):
-                raise ValueError(
-                    f"Leaf '{path}': the phases of {self.compressor.name}'s density schedule "
-                    "keep differently shaped compressor states, so one program cannot switch "
-                    "between them. Use a compressor whose state does not depend on the "
-                    "density (topk, fast_topk, randomk, threshold, dgc)."
-                )
-        return first
+    def _init_compressor_state(self, like: jax.ShapeDtypeStruct) -> Any:
+        """The per-leaf compressor state: the phases' common state, or a
+        :class:`PhaseStates` where their states differ in structure, shape or dtype."""
+        states = [p.compressor.init(like) for p in self.phases]
+        shapes = [jax.eval_shape(lambda s=s: s) for s in states]
+        if all(shape == shapes[0] for shape in shapes[1:]):
+            return states[0]
+        return PhaseStates(tuple(states))
+
+    def _phase_reduce(self, k: int, reduce_with: Callable[..., tuple]) -> Callable[..., tuple]:
+        """Phase ``k``'s ``reduce_with(compressor, x, cstate) -> (mean, residual, cstate)``
+        as ``f(x, cstate)``: with :class:`PhaseStates` it reads and replaces phase ``k``'s
+        entry only."""
+        compressor = self.phases[k].compressor
+
+        def run(x: jax.Array, cstate: Any) -> tuple:
+            if not isinstance(cstate, PhaseStates):
+                return reduce_with(compressor, x, cstate)
+            mean, residual, new = reduce_with(compressor, x, cstate.phases[k])
+            return (
+                mean,
+                residual,
+                PhaseStates(tuple(new if n == k else c for n, c in enumerate(cstate.phases))),
+            )
+
+        return run
+
+    def _reduce_in_phase(
+        self,
+        reduce_with: Callable[..., tuple],
+        x: jax.Array,
+        cstate: Any,
+        static: int | None,
+        phase: jax.Array,
+    ) -> tuple:
+        """``reduce_with`` in the static phase ``static``, or switched on ``phase`` (one
+        static-size branch per phase of the density schedule)."""
+        if static is not None:
+            return self._phase_reduce(static, reduce_with)(x, cstate)
+        branches = [self._phase_reduce(k, reduce_with) for k in range(len(self.phases))]
+        return lax.switch(phase, branches, x, cstate)
 
     # ---------------------------------------------------------------------- update
 
@@ -503,7 +539,7 @@ class _Exchange:
             if i in shards:
                 arrays[i] = _node_mean_shard(shards[i], arrays[i])
 
-        static = schedule.static_phase(self.phases, density_phase)
+        static = schedule.static_phase_index(self.phases, density_phase)
         phase = schedule.phase_index([p.start for p in self.phases], state.count)
         zero_stores = self._zero_stores(density_phase)
 
@@ -518,11 +554,9 @@ class _Exchange:
                 reduced = compressor.reduce(x, cstate, key, payload_axes, skip=residual_skip)
                 return reduced.mean, reduced.residual, reduced.state
 
-            if static is not None:
-                mean, residual, cstate = reduce_with(static, x, cstates[j])
-            else:  # one static-size branch per phase of the density schedule
-                branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
-                mean, residual, cstate = lax.switch(phase, branches, x, cstates[j])
+            mean, residual, cstate = self._reduce_in_phase(
+                reduce_with, x, cstates[j], static, phase
+            )
             mean = mean if shard is None else _gather_shards(shard, mean)
             out[j] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
             new_cstates[j] = _where_skip(skip, cstates[j], cstate)
@@ -660,7 +694,7 @@ class _Exchange:
         payload_axes: AxisName,
         new_residuals: dict[str, Any],
         partial_sums: dict[str, list[stores.WeightedSum]],
-        static: Compressor | None = None,
+        static: int | None = None,
         phase: jax.Array | None = None,
         zero_stores: bool = False,
     ) -> tuple[jax.Array, PyTree]:
@@ -715,11 +749,7 @@ class _Exchange:
             )
             return reduced.mean, reduced.residual, reduced.state
 
-        if static is not None:
-            mean, residual, new_cstate = reduce_with(static, x, cstate)
-        else:  # one static-size branch per phase of the density schedule
-            branches = [functools.partial(reduce_with, p.compressor) for p in self.phases]
-            mean, residual, new_cstate = lax.switch(phase, branches, x, cstate)
+        mean, residual, new_cstate = self._reduce_in_phase(reduce_with, x, cstate, static, phase)
         reduced = Reduced(mean, residual, new_cstate)
         mean = reduced.mean
         if shard is not None:

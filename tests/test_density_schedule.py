@@ -252,6 +252,48 @@ def test_phased_compressors_run_a_dense_start_before_any_compressor():
         schedule.Phased(((0, "topk"),))
 
 
+@pytest.mark.parametrize("variant", ["ef", "w"])
+def test_a_dense_start_keeps_powersgd_state_apart_until_powersgd_runs(variant):
+    """PowerSGD keeps ``Q`` and a dense phase keeps nothing: each phase holds its own
+    state in one program (``PhaseStates``), and the compressed phase equals PowerSGD run
+    alone from its first step (fresh ``Q``, zero residual), step for step."""
+    rank = 2
+    options = {"min_size": MIN_SIZE}
+    if variant == "w":  # w1 and w2 differ in shape: each is its own store; a shared one too
+        shapes = {"w1": (40, 60), "w2": (40, 60), "b": (60,)}
+        options |= {"grouping": rr.grouping.auto(), "inter": "weighted"}
+        build = rr.resireduce
+    else:
+        shapes = SHAPES
+        build = rr.error_feedback
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    grads = th.random_grads(np.random.default_rng(8), shapes, W, steps=4)
+    phased = build(schedule.with_dense_start(2, rr.compressors.powersgd(rank)), **options)
+    alone = build(rr.compressors.powersgd(rank), **options)
+    outputs, state = th.run_shard_map(phased, params, grads)
+    ref, ref_state = th.run_shard_map(alone, params, grads[2:])
+    for name in shapes:
+        for t in (0, 1):  # dense: exact means
+            np.testing.assert_allclose(
+                outputs[t][name][0], grads[t][name].mean(0), rtol=1e-6, atol=1e-6
+            )
+        for t in (2, 3):
+            np.testing.assert_array_equal(outputs[t][name], ref[t - 2][name])
+    for name in ("w1", "w2"):
+        kept = state.compressor_state[name]
+        assert isinstance(kept, rr.exchange.PhaseStates), kept
+        assert kept.phases[0] == ()  # the dense phase's
+        np.testing.assert_array_equal(kept.phases[1], ref_state.compressor_state[name])
+    for a, b in zip(
+        jax.tree.leaves(state.residuals), jax.tree.leaves(ref_state.residuals), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    # A schedule of one compressor keeps one state: the sparsifiers' ().
+    sparse = build(rr.compressors.topk(rr.compressors.dense_warmup(2, 0.1)), **options)
+    kept = jax.eval_shape(sparse.init, params).compressor_state["w1"]
+    assert type(kept) is tuple and kept == ()
+
+
 def test_resuming_mid_schedule_is_bit_identical():
     """The phase comes from the exchange's step count, which the state carries: running
     3 steps and then 3 more from the saved state equals 6 steps at once."""

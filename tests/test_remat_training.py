@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("remat_training_runs")  # one worker runs `runs` once
 def test_the_plan_fits_the_budget_and_recomputes(runs):
     full, lean = runs["1.0"].memory["remat"], runs["60%"].memory["remat"]
     assert full["checkpoints"] == 0 and full["flops_overhead"] == pytest.approx(0.0, abs=1e-6)
@@ -45,6 +46,7 @@ def test_the_plan_fits_the_budget_and_recomputes(runs):
     assert lean["checkpoints"] >= 1 and lean["flops_overhead"] > 0
 
 
+@pytest.mark.xdist_group("remat_training_runs")  # one worker runs `runs` once
 def test_checkpointing_does_not_change_training(runs):
     full, lean = runs["1.0"], runs["60%"]
     np.testing.assert_allclose(lean.train["loss"], full.train["loss"], rtol=1e-5)

@@ -47,6 +47,7 @@ __all__ = [
     "phases",
     "piecewise",
     "static_phase",
+    "static_phase_index",
     "with_dense_start",
 ]
 
@@ -203,7 +204,8 @@ class Phased:
 
     What a density schedule is for one sparsifier, for compressors of any kind (a dense
     warm-up before 1-bit compression, as 1-bit Adam does). Only the exchange transforms
-    run it, one phase at a time; every phase must keep the same compressor state.
+    run it, one phase at a time; phases whose compressor states differ (none, then
+    PowerSGD's ``Q``) each keep their own (:class:`~resireduce_jax.exchange.PhaseStates`).
 
     Attributes:
       steps: ``(first step, compressor)`` pairs; the first starts at step 0, the starts
@@ -262,11 +264,11 @@ def phases(compressor: Any) -> tuple[Phase, ...]:
     )
 
 
-def static_phase(found: Sequence[Phase], density_phase: int | None) -> Any | None:
-    """The compressor to compile statically: the only phase, or phase ``density_phase``
-    (a Python int) of several; ``None`` when the phase must be chosen at run time."""
+def static_phase_index(found: Sequence[Phase], density_phase: int | None) -> int | None:
+    """The phase to compile statically: ``0`` for the only phase, or ``density_phase`` (a
+    Python int) of several; ``None`` when the phase must be chosen at run time."""
     if len(found) == 1:
-        return found[0].compressor
+        return 0
     if density_phase is None:
         return None
     if isinstance(density_phase, bool) or not isinstance(density_phase, int):
@@ -279,7 +281,14 @@ def static_phase(found: Sequence[Phase], density_phase: int | None) -> Any | Non
             f"density_phase={density_phase}, but the density schedule has {len(found)} "
             f"phases (0 to {len(found) - 1})."
         )
-    return found[density_phase].compressor
+    return density_phase
+
+
+def static_phase(found: Sequence[Phase], density_phase: int | None) -> Any | None:
+    """The compressor of :func:`static_phase_index`'s phase; ``None`` when the phase must
+    be chosen at run time."""
+    index = static_phase_index(found, density_phase)
+    return None if index is None else found[index].compressor
 
 
 def phase_at(found: Sequence[Phase], step: int) -> int:
