@@ -669,6 +669,8 @@ def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
 
     Lets a long benchmark grow one task at a time without retraining the others: settings,
     variants and commands are united, the summary is recomputed from every kept run.
+    ``complete`` is ``now``'s: every kept run finished, and the runs an earlier interrupted
+    command did not reach are rows with fewer seeds (or none), as the table shows.
     """
 
     def key(r):
@@ -691,7 +693,7 @@ def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
         "notes": [*before.get("notes", []), *now.get("notes", [])],
         "variants": variants,
         "recipes": recipes,
-        "complete": before.get("complete", True) and now["complete"],
+        "complete": now["complete"],
         "settings": {t: settings[t] for t in tasks},
         "seconds": before["seconds"] + now["seconds"],
         "summary": summarize(runs, tasks, variants, recipes),

@@ -224,7 +224,10 @@ def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
         ["ef", "w+2d"],
         "second",
     )
+    before["complete"] = False  # an interrupted first command: its finished runs stay
     merged = accuracy.merge_payloads(before, now)
+    assert merged["complete"] is True  # the latest command's
+    assert accuracy.merge_payloads(now, {**now, "complete": False})["complete"] is False
     assert merged["commands"] == ["first", "second"]
     assert list(merged["settings"]) == ["digits", "byte_gpt_deep"]  # TASKS order
     assert merged["variants"] == ["ef", "w+2d"]
