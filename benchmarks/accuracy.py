@@ -45,11 +45,13 @@ warm-up over the first 5 % of the steps), ``dense_warmup`` (the first 5 % of the
 uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % over the first
 20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
 ``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
-``configs/byte_gpt.py``), ``cm_dgc`` (``cm`` with DGC's warm-up over the 10 % of the steps
-after the dense ones). DGC's own memory is the variant ``dgc`` (SGD tasks; its momentum
-factor masking refuses a dense phase, so not with ``dense_warmup``, ``cm`` or ``cm_dgc``). Every run
-reports the bytes one worker sent over the run against a dense exchange's
-(``summary.json``), so a remedy is judged by quality and bytes together.
+``configs/byte_gpt.py``), ``cm_global`` (``cm`` with whole-model Top-k,
+``compression.selection_scope="global"``: variants ``ef`` and ``none``), ``cm_dgc`` (``cm``
+with DGC's warm-up over the 10 % of the steps after the dense ones). DGC's own memory is
+the variant ``dgc`` (SGD tasks; its momentum factor masking refuses a dense phase, so not
+with ``dense_warmup`` or the ``cm`` recipes). Every run reports the bytes one worker sent
+over the run against a dense exchange's (``summary.json``), so a remedy is judged by
+quality and bytes together.
 
 Tasks can be added to an earlier result with ``--merge`` (the README's figures were
 produced that way: ``--tasks byte_gpt_deep --merge`` after the first two tasks).
@@ -244,6 +246,7 @@ def _both(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 _DENSE_FRACTION = "compression.density_schedule.dense_fraction"
 _DENSE_5 = {_DENSE_FRACTION: 0.05}
 _DGC_10 = {"compression.density_schedule.dgc_fraction": 0.1}
+_GLOBAL = "compression.selection_scope"
 RECIPES: dict[str, Recipe] = {
     "base": Recipe("the task's config", *_both({})),
     # schedule.warmup_epochs is set from the dataset's epoch length (build_config).
@@ -257,6 +260,12 @@ RECIPES: dict[str, Recipe] = {
         "compressed momentum after 5 % dense steps",
         {**_DENSE_5, "optimizer.name": "compressed_momentum_adam"},
         {**_DENSE_5, "optimizer.name": "compressed_momentum_sgd"},
+    ),
+    "cm_global": Recipe(
+        "compressed momentum after 5 % dense steps, Top-k over the whole model "
+        "(compression.selection_scope='global')",
+        {**_DENSE_5, _GLOBAL: "global", "optimizer.name": "compressed_momentum_adam"},
+        {**_DENSE_5, _GLOBAL: "global", "optimizer.name": "compressed_momentum_sgd"},
     ),
     "cm_dgc": Recipe(
         "compressed momentum after 5 % dense steps, then DGC's warm-up (density 25 %, "
@@ -333,10 +342,13 @@ def applicable(task: Task, recipe: str, variant: str) -> bool:
     """Whether a (recipe, variant) row makes sense on ``task``: dense only as the base, DGC's
     memory only on SGD tasks and never after a dense phase (the config refuses it: momentum
     factor masking would clear the whole momentum every dense step), float8 residuals only
-    under compressed-momentum Adam (the config refuses them elsewhere)."""
+    under compressed-momentum Adam (the config refuses them elsewhere), whole-model Top-k
+    only with per-leaf residuals or none."""
+    overrides = RECIPES[recipe].overrides(task)
+    if overrides.get(_GLOBAL) == "global" and variant.split("+")[0] not in ("ef", "none"):
+        return False  # whole-model Top-k keeps a residual per leaf (or none)
     if variant.endswith("+f8"):
-        optimizer = RECIPES[recipe].overrides(task).get("optimizer.name")
-        return optimizer == "compressed_momentum_adam"
+        return overrides.get("optimizer.name") == "compressed_momentum_adam"
     if variant == "dense":
         return recipe == "base"
     if variant == "dgc":

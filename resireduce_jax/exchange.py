@@ -31,6 +31,14 @@ over ``local``. Stores hold one shard per device, so residual memory per device 
 transform's divided by ``L``; error feedback acts on node means. With a local axis of size
 1 the transform is the flat one over both axes, bit for bit.
 
+**Whole-model Top-k** (``selection_scope="global"``, beyond the paper; singleton stores
+only). A Top-k phase selects ``k = density * N`` entries of the ``N`` entries of every
+compressed leaf at once, by magnitude, instead of ``density`` of each leaf's own: the
+bytes are the same, but a leaf whose compensated gradient is large gets more of them
+(under SGD, gradient scales differ several-fold between layers; per-leaf quotas send a
+layer of tiny gradients as many entries as one of large gradients). The compensated
+leaves are concatenated for the selection: one gradient-sized buffer beside them.
+
 **Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
 weight of every layer (a scanned model) is one unit per slice: plans are made on the
 unstacked pytree, the stores of runs of slices are kept as slice ranges of the stack, and
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -81,6 +90,7 @@ from resireduce_jax.compressors.base import (
     ordered,
 )
 from resireduce_jax.compressors.dense import NoCompression
+from resireduce_jax.compressors.sparse import SparsePayload, TopK
 from resireduce_jax.tree_paths import validate_float_leaves
 
 PyTree = Any
@@ -355,6 +365,7 @@ class _Exchange:
     name: str
     local_axis: str | None = None
     layer_stacks: tuple[tuple[str, int], ...] | None = None
+    selection_scope: str = "leaf"  # or "global": one Top-k over every compressed leaf
 
     @functools.cached_property
     def phases(self) -> tuple[schedule.Phase, ...]:
@@ -407,13 +418,19 @@ class _Exchange:
         batches = stores.batch_stores(
             store_plans, slice_of, {stack.leaf: stack.path for stack in layout.stacks}
         )
+        if self.selection_scope == "global":
+            _check_global_stores(self.name, store_plans, layout)
         return ExchangePlan(layout.paths, store_plans, dense, layout, batches)
 
     def bytes_sent(self, params: PyTree, steps: int, *, local_size: int | None = None) -> int:
         plan = self.plan(params, local_size=local_size)
         units = plan.layout.units
         total = 0
-        for store in plan.stores:
+        if self.selection_scope == "global" and plan.stores:  # one payload for all of them
+            size = sum(math.prod(store.group.shape) for store in plan.stores)
+            dtype = units[plan.stores[0].group.members[0]].dtype
+            total += schedule.bytes_sent(self.compressor, (size,), dtype, steps)
+        for store in plan.stores if self.selection_scope == "leaf" else ():
             for i in store.group.members:
                 total += schedule.bytes_sent(
                     self.compressor, store.group.shape, units[i].dtype, steps
@@ -583,7 +600,11 @@ class _Exchange:
 
         batched = {p.group.label for b in plan.batches for p in b.stores}
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
-        for store in plan.stores:
+        if self.selection_scope == "global" and plan.stores:
+            self._update_global(
+                plan, arrays, state, skip, static, phase, payload_axes, out, new_residuals
+            )
+        for store in plan.stores if self.selection_scope == "leaf" else ():
             label = store.group.label
             if label in batched:
                 continue
@@ -631,6 +652,51 @@ class _Exchange:
             compressor_state=treedef.unflatten(new_cstates),
         )
         return treedef.unflatten(out), new_state
+
+    def _update_global(
+        self,
+        plan: ExchangePlan,
+        arrays: dict[int, jax.Array],
+        state: ExchangeState,
+        skip: jax.Array | None,
+        static: int | None,
+        phase: jax.Array,
+        payload_axes: AxisName,
+        out: list[Any],
+        new_residuals: dict[str, Any],
+    ) -> None:
+        """Every singleton store at once (``selection_scope="global"``): each leaf
+        compensated with its residual, then a Top-k phase selects over all of them
+        (:func:`_global_topk`) and any other phase reduces leaf by leaf. Writes the means
+        into ``out`` and the residuals of ``"leaf"`` stores into ``new_residuals``."""
+        units = plan.layout.units
+        members = [store.group.members[0] for store in plan.stores]
+        xs = tuple(
+            stores.compensate(store, state.residuals[store.group.label], arrays[i])
+            if store.kind == "leaf"
+            else arrays[i]
+            for store, i in zip(plan.stores, members, strict=True)
+        )
+
+        def branch(k: int) -> Callable[[tuple], tuple]:
+            compressor = self.phases[k].compressor
+
+            def run(xs: tuple) -> tuple:
+                if isinstance(compressor, TopK):
+                    return _global_topk(compressor, xs, payload_axes, skip)
+                reduced = [compressor.reduce(x, (), None, payload_axes, skip=skip) for x in xs]
+                return tuple(r.mean for r in reduced), tuple(r.residual for r in reduced)
+
+            return run
+
+        if static is not None:
+            means, residuals = branch(static)(xs)
+        else:
+            means, residuals = lax.switch(phase, [branch(k) for k in range(len(self.phases))], xs)
+        for store, i, mean, residual in zip(plan.stores, members, means, residuals, strict=True):
+            out[units[i].leaf] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
+            if store.kind == "leaf":  # a skipped step's residual is G~ (nothing was sent)
+                new_residuals[store.group.label] = residual.astype(store.dtype)
 
     def _zero_stores(self, density_phase: int | None) -> bool:
         """Whether this program is the leading phase of a schedule and that phase is dense.
@@ -877,6 +943,51 @@ def _compensate_stack(stack_plan: StackPlan, residuals: dict[str, Any], x: jax.A
     return x
 
 
+def _global_topk(
+    compressor: TopK, xs: tuple[jax.Array, ...], axis_name: AxisName, skip: jax.Array | None
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Top-k over the concatenation of ``xs``: ``k = density * sum(sizes)`` entries by
+    magnitude (ties to the lower position, ``lax.top_k``'s order), one sparse exchange of
+    the concatenation, and each leaf's mean and residual ``x - D(P)`` (on a skipped step
+    ``x``: nothing was sent)."""
+    flat = jnp.concatenate([x.ravel() for x in xs])
+    _, indices = lax.top_k(jnp.abs(flat), compressor.k(flat.size))
+    indices = indices.astype(jnp.int32)
+    values = flat[indices]
+    like = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    mean = compressor.aggregate(SparsePayload(values, indices), like, axis_name)
+    residual = compressor.residual(flat, SparsePayload(values, indices), skip)
+    bounds = np.cumsum([0, *(x.size for x in xs)])
+    return tuple(
+        tuple(
+            a[start:stop].reshape(x.shape)
+            for x, start, stop in zip(xs, bounds[:-1], bounds[1:], strict=True)
+        )
+        for a in (mean, residual)
+    )
+
+
+def _check_global_stores(
+    name: str, plans: Sequence[stores.StorePlan], layout: layer_stacks_lib.Layout
+) -> None:
+    """``selection_scope="global"`` selects over whole leaves of one dtype, each in a store
+    of its own."""
+    kinds = sorted({p.kind for p in plans} - {"leaf", "none"})
+    if kinds or not layout.trivial or any(p.shard for p in plans):
+        found = ", ".join(kinds) or ("layer stacks" if not layout.trivial else "sharded stores")
+        raise ValueError(
+            f"{name}: selection_scope='global' takes stores of single whole leaves "
+            f"(error_feedback, compressed_mean), flat and without layer stacks; found "
+            f"{found}. Use selection_scope='leaf' here."
+        )
+    dtypes = sorted({p.group.dtype.name for p in plans})
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{name}: selection_scope='global' ranks every compressed leaf together, so they "
+            f"must share one dtype; found {dtypes}."
+        )
+
+
 def exchange(
     compressor: Compressor,
     axis_name: AxisName,
@@ -887,6 +998,7 @@ def exchange(
     name: str = "exchange",
     local_axis: str | None = None,
     layer_stacks: layer_stacks_lib.LayerStacks | None = None,
+    selection_scope: str = "leaf",
 ) -> ExchangeTransformation:
     """The exchange transform with the residual stores that ``planner`` decides.
 
@@ -906,6 +1018,10 @@ def exchange(
       layer_stacks: ``{regex: axis}``: the leaves that stack a weight of every layer, and
         their layer axis (:mod:`resireduce_jax.layer_stacks`); ``planner`` then sees the
         unstacked pytree (every slice a leaf at its slice path).
+      selection_scope: ``"leaf"``: a sparsifier sends its density of each leaf;
+        ``"global"``: a Top-k phase sends its density of all compressed leaves together
+        (module docstring; singleton stores of one dtype, flat, no layer stacks; every
+        phase of the compressor Top-k or dense).
 
     Returns:
       An :class:`ExchangeTransformation` whose state is an :class:`ExchangeState`.
@@ -917,7 +1033,23 @@ def exchange(
                 f"local_axis must be the name of a mesh axis other than {data}, got {local_axis!r}."
             )
     stacks = layer_stacks_lib.check(layer_stacks)
-    core = _Exchange(compressor, axis_name, planner, min_size, seed, name, local_axis, stacks)
+    if selection_scope not in ("leaf", "global"):
+        raise ValueError(f"selection_scope must be 'leaf' or 'global', got {selection_scope!r}.")
+    if selection_scope == "global":
+        others = sorted(
+            {p.compressor.name for p in schedule.phases(compressor)}
+            - {TopK.name, NoCompression.name}
+        )
+        if others or local_axis is not None or stacks is not None:
+            found = ", ".join(others) or ("local_axis" if local_axis else "layer_stacks")
+            raise ValueError(
+                f"{name}: selection_scope='global' is whole-model Top-k: every phase of the "
+                f"compressor must be topk (or dense), on a flat exchange without layer "
+                f"stacks; found {found}."
+            )
+    core = _Exchange(
+        compressor, axis_name, planner, min_size, seed, name, local_axis, stacks, selection_scope
+    )
     return ExchangeTransformation(core.init, core.update)
 
 

@@ -85,6 +85,7 @@ def _singleton_exchange(
     min_size: int,
     seed: int,
     residual_dtype: Any = None,
+    selection_scope: str = "leaf",
 ) -> ExchangeTransformation:
     """The exchange whose every compressed leaf is a store of its own: with a residual
     (``kind="leaf"``, :func:`error_feedback`, in ``residual_dtype``) or without
@@ -100,6 +101,7 @@ def _singleton_exchange(
         name=name,
         local_axis=local_axis,
         layer_stacks=layer_stacks,
+        selection_scope=selection_scope,
     )
 
 
@@ -111,6 +113,7 @@ def compressed_mean(
     layer_stacks: LayerStacks | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
+    selection_scope: str = "leaf",
 ) -> ExchangeTransformation:
     """Averages gradients across workers in compressed form, **without** error feedback.
 
@@ -133,6 +136,8 @@ def compressed_mean(
         unstacked pytree (:mod:`resireduce_jax.layer_stacks`). ``None``: no stacks.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys of randomized compressors.
+      selection_scope: ``"leaf"`` or ``"global"`` (whole-model Top-k), as for
+        :func:`error_feedback`.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
@@ -140,7 +145,15 @@ def compressed_mean(
       an optional ``skip`` (see :func:`resireduce_jax.skip_nonfinite`).
     """
     return _singleton_exchange(
-        "none", "compressed_mean", compressor, axis_name, local_axis, layer_stacks, min_size, seed
+        "none",
+        "compressed_mean",
+        compressor,
+        axis_name,
+        local_axis,
+        layer_stacks,
+        min_size,
+        seed,
+        selection_scope=selection_scope,
     )
 
 
@@ -153,6 +166,7 @@ def error_feedback(
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
     residual_dtype: Any = None,
+    selection_scope: str = "leaf",
 ) -> ExchangeTransformation:
     """Compressed averaging with error feedback: every compressed leaf keeps its own residual.
 
@@ -186,6 +200,13 @@ def error_feedback(
         a quarter) keeps magnitudes from 2⁻⁹ to 448 only: it suits residuals of order 1,
         such as :func:`~resireduce_jax.compressed_momentum_adam`'s (in its update's units),
         not a raw gradient's, which it would flush to zero. Beyond the paper.
+      selection_scope: ``"leaf"`` (default): a sparsifier sends its density of every
+        leaf; ``"global"``: a Top-k compressor sends its density of all compressed leaves
+        together, ranked by magnitude across leaves (whole-model Top-k: the same bytes, and
+        a layer of large gradients gets more of them; one concatenated copy of the
+        compensated leaves at the exchange). Flat exchanges without layer stacks, every
+        phase Top-k or dense, one dtype. Beyond the paper
+        (:mod:`resireduce_jax.exchange`).
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
@@ -205,4 +226,5 @@ def error_feedback(
         min_size,
         seed,
         residual_dtype,
+        selection_scope,
     )

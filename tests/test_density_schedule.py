@@ -333,10 +333,12 @@ def test_resuming_mid_schedule_is_bit_identical():
             np.testing.assert_array_equal(np.asarray(out[name]), whole[t][name])
 
 
-def test_one_program_per_phase_trains_exactly_as_the_switching_program():
+@pytest.mark.parametrize("scope", ["leaf", "global"])
+def test_one_program_per_phase_trains_exactly_as_the_switching_program(scope):
     """DataParallelStep(density_phase=j) compiles phase j alone; stepping each phase's
     program in its steps gives the switching program's parameters (to float32 rounding:
-    XLA fuses a branch of a conditional apart from the code around it)."""
+    XLA fuses a branch of a conditional apart from the code around it). ``global``: plain
+    EF with whole-model Top-k."""
     sched = rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02})
     rng = np.random.default_rng(12)
     params = {
@@ -355,17 +357,18 @@ def test_one_program_per_phase_trains_exactly_as_the_switching_program():
     found = schedule.phases(rr.compressors.topk(sched))
 
     def train(static):
-        tx = rr.skip_nonfinite(
-            rr.compressed_momentum_adam(
-                1e-2,
-                rr.resireduce(
-                    rr.compressors.topk(sched),
-                    min_size=MIN_SIZE,
-                    grouping=rr.grouping.auto(),
-                    inter="weighted",
-                ),
+        if scope == "global":
+            exchange = rr.error_feedback(
+                rr.compressors.topk(sched), min_size=MIN_SIZE, selection_scope="global"
             )
-        )
+        else:
+            exchange = rr.resireduce(
+                rr.compressors.topk(sched),
+                min_size=MIN_SIZE,
+                grouping=rr.grouping.auto(),
+                inter="weighted",
+            )
+        tx = rr.skip_nonfinite(rr.compressed_momentum_adam(1e-2, exchange))
         mesh = th.mesh(W)
         step = rr.parallel.data_parallel_step(loss, tx, mesh)
         p, s = step.init(jax.tree.map(np.copy, params))

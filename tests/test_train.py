@@ -81,6 +81,14 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
             "residual_dtype='float8_e4m3fn' with optimizer.name='sgd'.*compressed_momentum_adam",
         ),
         (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
+        (
+            lambda c: c.compression.update(selection_scope="global", variant="w+2d"),
+            "selection_scope='global'.*'ef' or 'none'; got 'topk' with 'w\\+2d'",
+        ),
+        (
+            lambda c: c.compression.update(selection_scope="model"),
+            "selection_scope must be 'leaf' or 'global', got 'model'",
+        ),
     ],
 )
 def test_invalid_config_fails_before_compiling(change, message):

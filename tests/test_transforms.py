@@ -64,6 +64,75 @@ def test_error_feedback_matches_numpy_reference(grads):
     np.testing.assert_array_equal(state.count, np.full(W, len(grads)))
 
 
+def np_global_error_feedback(grads_per_step, density_at):
+    """Numpy EF with whole-model Top-k: per worker, G~ of w1 and w2 concatenated, the
+    ``density_at(t)`` share of all of it kept by magnitude (1.0: everything)."""
+    residual = np.zeros((W, sum(np.prod(SHAPES[k]) for k in COMPRESSED)), np.float32)
+    bounds = np.cumsum([0, *(np.prod(SHAPES[k]) for k in COMPRESSED)])
+    outputs = []
+    for t, grads in enumerate(grads_per_step):
+        comp = np.concatenate([grads[k].reshape(W, -1) for k in COMPRESSED], 1) + residual
+        sent = np.stack([th.np_topk_sparsify(comp[w], density_at(t)) for w in range(W)])
+        residual = comp - sent
+        out = {k: g.astype(np.float64).mean(0) for k, g in grads.items()}
+        for k, start, stop in zip(COMPRESSED, bounds[:-1], bounds[1:], strict=True):
+            out[k] = sent[:, start:stop].astype(np.float64).mean(0).reshape(SHAPES[k])
+        outputs.append(out)
+    split = {k: residual[:, a:b].reshape(W, *SHAPES[k])
+             for k, a, b in zip(COMPRESSED, bounds[:-1], bounds[1:], strict=True)}  # fmt: skip
+    return outputs, split
+
+
+def test_whole_model_topk_matches_numpy_and_sends_the_same_bytes(grads):
+    """selection_scope='global': one Top-k over every compressed leaf (after a dense step
+    of a schedule), equal to numpy step by step; the bytes are one payload's."""
+    density = 0.05
+    compressor = rr.compressors.topk(rr.compressors.dense_warmup(1, density))
+    tx = rr.error_feedback(compressor, min_size=MIN_SIZE, selection_scope="global")
+    outputs, state = th.run_shard_map(tx, _params(), grads)
+    ref_outputs, ref_residual = np_global_error_feedback(
+        grads, lambda t: 1.0 if t == 0 else density
+    )
+    for out, ref in zip(outputs, ref_outputs, strict=True):
+        for name in SHAPES:
+            for w in range(W):
+                np.testing.assert_allclose(out[name][w], ref[name], rtol=1e-6, atol=1e-6)
+    for name in COMPRESSED:
+        np.testing.assert_array_equal(state.residuals[name], ref_residual[name])
+    n = sum(np.prod(SHAPES[k]) for k in COMPRESSED)
+    dense = 4 * sum(np.prod(s) for k, s in SHAPES.items() if k not in COMPRESSED)
+    k = int(np.floor(density * n))
+    steps = 10
+    assert tx.bytes_sent(_params(), steps) == 4 * n + 8 * k * (steps - 1) + dense * steps
+
+
+def test_whole_model_topk_gives_a_leaf_of_large_gradients_more_entries():
+    """A leaf whose gradients are 100x larger takes every entry of the step (per-leaf
+    Top-k would send 5 % of each): the other leaf's residual is its whole gradient."""
+    rng = np.random.default_rng(4)
+    g = {k: rng.normal(size=(W, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    g["w1"] *= 100.0
+    tx = rr.error_feedback(rr.compressors.topk(0.05), min_size=MIN_SIZE, selection_scope="global")
+    _, state = th.run_shard_map(tx, _params(), [g])
+    np.testing.assert_array_equal(state.residuals["w2"], g["w2"])
+    sent_w1 = np.count_nonzero(state.residuals["w1"] == 0, axis=(1, 2))
+    np.testing.assert_array_equal(sent_w1, np.full(W, int(0.05 * (2400 + 1800))))
+
+
+def test_whole_model_topk_refuses_what_it_cannot_rank_together():
+    params = _params()
+    with pytest.raises(ValueError, match="every phase of the compressor must be topk"):
+        rr.error_feedback(rr.compressors.qsgd(), selection_scope="global")
+    with pytest.raises(ValueError, match="local_axis"):
+        rr.error_feedback(rr.compressors.topk(0.1), local_axis="local", selection_scope="global")
+    with pytest.raises(ValueError, match="'leaf' or 'global'"):
+        rr.error_feedback(rr.compressors.topk(0.1), selection_scope="model")
+    mixed = {**params, "w2": params["w2"].astype(jnp.bfloat16)}
+    tx = rr.error_feedback(rr.compressors.topk(0.1), min_size=MIN_SIZE, selection_scope="global")
+    with pytest.raises(ValueError, match="one dtype"):
+        tx.plan(mixed)
+
+
 def test_error_feedback_stores_residuals_in_residual_dtype(grads):
     """bfloat16 residuals: the numpy EF whose residual is rounded to bfloat16 each step."""
     density = 0.05

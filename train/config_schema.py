@@ -123,6 +123,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.row_ratio = config_dict.placeholder(float)
     c.compression.col_ratio = 0.5
     c.compression.selection = "top"
+    # What a Top-k density applies to: "leaf" (each compressed leaf sends its share) or
+    # "global" (whole-model Top-k over every compressed leaf; variants ef and none only).
+    c.compression.selection_scope = "leaf"
     c.compression.weight_source = "residual"
     # What -d/-2d rank rows and columns by: L1 norms of the fresh residual ("residual", the
     # paper) or of the compensated gradient ("compensated", the reference code).
@@ -286,6 +289,22 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         "compression.density_schedule.dgc_start must be in (0, 1] and .dgc_factor > 1 (the "
         f"density falls stage by stage), got {sched.dgc_start} and {sched.dgc_factor}.",
     )
+    _check(
+        comp.selection_scope in ("leaf", "global"),
+        f"compression.selection_scope must be 'leaf' or 'global', got {comp.selection_scope!r}.",
+    )
+    if comp.selection_scope == "global":
+        _check(
+            comp.variant in ("ef", "none") and comp.compressor == "topk",
+            "compression.selection_scope='global' (whole-model Top-k) takes "
+            "compression.compressor='topk' with compression.variant 'ef' or 'none'; got "
+            f"{comp.compressor!r} with {comp.variant!r}.",
+        )
+        _check(
+            c.memory.budget is None,
+            "compression.selection_scope='global' is not among the memory planner's "
+            "candidates: unset memory.budget, or use selection_scope='leaf'.",
+        )
     if c.optimizer.name == "compressed_momentum_adam":
         _check(
             sched.dense_fraction > 0,

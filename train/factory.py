@@ -192,11 +192,14 @@ def build_exchange(
     if variant == "dense":
         return rr.compressed_mean(rr.compressors.none(), axis_name, **options)
     compressor = build_compressor(comp, total_steps)
+    scope = comp.get("selection_scope", "leaf")
     if variant == "none":
-        return rr.compressed_mean(compressor, axis_name, **options)
+        return rr.compressed_mean(compressor, axis_name, selection_scope=scope, **options)
     if variant == "ef":
         residual_dtype = comp.residual_dtype or None
-        return rr.error_feedback(compressor, axis_name, residual_dtype=residual_dtype, **options)
+        return rr.error_feedback(
+            compressor, axis_name, residual_dtype=residual_dtype, selection_scope=scope, **options
+        )
     if variant == "dgc":
         return rr.error_feedback(compressor, axis_name, **options)
     return rr.resireduce(
