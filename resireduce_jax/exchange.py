@@ -37,7 +37,8 @@ compressed leaf at once, by magnitude, instead of ``density`` of each leaf's own
 bytes are the same, but a leaf whose compensated gradient is large gets more of them
 (under SGD, gradient scales differ several-fold between layers; per-leaf quotas send a
 layer of tiny gradients as many entries as one of large gradients). The compensated
-leaves are concatenated for the selection: one gradient-sized buffer beside them.
+leaves are concatenated for the selection: one gradient-sized buffer beside them (by
+construction; not measured at the compiled peak).
 
 **Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
 weight of every layer (a scanned model) is one unit per slice: plans are made on the
