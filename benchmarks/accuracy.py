@@ -46,7 +46,7 @@ uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % ove
 20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
 ``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
 ``configs/byte_gpt.py``), ``cm_global`` (``cm`` with whole-model Top-k,
-``compression.selection_scope="global"``: variants ``ef`` and ``none``), ``cm_dgc`` (``cm``
+``compression.selection_scope="global"``), ``cm_dgc`` (``cm``
 with DGC's warm-up over the 10 % of the steps after the dense ones). DGC's own memory is
 the variant ``dgc`` (SGD tasks; its momentum factor masking refuses a dense phase, so not
 with ``dense_warmup`` or the ``cm`` recipes). Every run reports the bytes one worker sent
@@ -343,10 +343,10 @@ def applicable(task: Task, recipe: str, variant: str) -> bool:
     memory only on SGD tasks and never after a dense phase (the config refuses it: momentum
     factor masking would clear the whole momentum every dense step), float8 residuals only
     under compressed-momentum Adam (the config refuses them elsewhere), whole-model Top-k
-    only with per-leaf residuals or none."""
+    with any variant but DGC's."""
     overrides = RECIPES[recipe].overrides(task)
-    if overrides.get(_GLOBAL) == "global" and variant.split("+")[0] not in ("ef", "none"):
-        return False  # whole-model Top-k keeps a residual per leaf (or none)
+    if overrides.get(_GLOBAL) == "global" and variant == "dgc":
+        return False  # DGC's memory is its own exchange
     if variant.endswith("+f8"):
         return overrides.get("optimizer.name") == "compressed_momentum_adam"
     if variant == "dense":

@@ -31,13 +31,16 @@ over ``local``. Stores hold one shard per device, so residual memory per device 
 transform's divided by ``L``; error feedback acts on node means. With a local axis of size
 1 the transform is the flat one over both axes, bit for bit.
 
-**Whole-model Top-k** (``selection_scope="global"``, beyond the paper; singleton stores
-only). A Top-k phase selects ``k = density * N`` entries of the ``N`` entries of every
-compressed leaf at once, by magnitude, instead of ``density`` of each leaf's own: the
-bytes are the same, but a leaf whose compensated gradient is large gets more of them
-(under SGD, gradient scales differ several-fold between layers; per-leaf quotas send a
-layer of tiny gradients as many entries as one of large gradients). The compensated
-leaves are concatenated for the selection: one gradient-sized buffer beside them (by
+**Whole-model Top-k** (``selection_scope="global"``, beyond the paper). A Top-k phase
+selects ``k = density * N`` entries of the ``N`` entries of every compressed leaf at once,
+by magnitude, instead of ``density`` of each leaf's own: the bytes are the same, but a leaf
+whose compensated gradient is large gets more of them (under SGD, gradient scales differ
+several-fold between layers; per-leaf quotas send a layer of tiny gradients as many entries
+as one of large gradients). Every kind of store works unchanged: each member is compensated
+with its store's residual before the selection, and each store keeps what its members did
+not send after it (a shared group's weighted mean, a 2-D store's rows and columns). The
+compensated leaves are concatenated for the selection: one gradient-sized buffer beside
+them, and a shared group's members are all compensated before the first is sent (by
 construction; not measured at the compiled peak).
 
 **Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
@@ -428,7 +431,9 @@ class _Exchange:
         units = plan.layout.units
         total = 0
         if self.selection_scope == "global" and plan.stores:  # one payload for all of them
-            size = sum(math.prod(store.group.shape) for store in plan.stores)
+            size = sum(
+                math.prod(store.group.shape) * len(store.group.members) for store in plan.stores
+            )
             dtype = units[plan.stores[0].group.members[0]].dtype
             total += schedule.bytes_sent(self.compressor, (size,), dtype, steps)
         for store in plan.stores if self.selection_scope == "leaf" else ():
@@ -603,7 +608,16 @@ class _Exchange:
         shared_residuals: dict[str, jax.Array] = {}  # shared groups' new residuals
         if self.selection_scope == "global" and plan.stores:
             self._update_global(
-                plan, arrays, state, skip, static, phase, payload_axes, out, new_residuals
+                plan,
+                arrays,
+                state,
+                skip,
+                static,
+                phase,
+                payload_axes,
+                out,
+                new_residuals,
+                zero_stores,
             )
         for store in plan.stores if self.selection_scope == "leaf" else ():
             label = store.group.label
@@ -665,19 +679,32 @@ class _Exchange:
         payload_axes: AxisName,
         out: list[Any],
         new_residuals: dict[str, Any],
+        zero_stores: bool,
     ) -> None:
-        """Every singleton store at once (``selection_scope="global"``): each leaf
-        compensated with its residual, then a Top-k phase selects over all of them
-        (:func:`_global_topk`) and any other phase reduces leaf by leaf. Writes the means
-        into ``out`` and the residuals of ``"leaf"`` stores into ``new_residuals``."""
+        """Every store at once (``selection_scope="global"``): each member compensated
+        with its store's residual, then a Top-k phase selects over all of them
+        (:func:`_global_topk`) and any other phase reduces member by member. Each store
+        then keeps what its members did not send, as the per-leaf pass does: a leaf's own
+        residual, a shared group's (weighted) mean of its members' (§4.2), a singleton's
+        rows or rows × columns (§4.3). Writes the means into ``out`` and the stores into
+        ``new_residuals``. ``zero_stores``: the program of a leading dense phase, whose
+        stores hold zeros and stay so (:meth:`_zero_stores`)."""
         units = plan.layout.units
-        members = [store.group.members[0] for store in plan.stores]
-        xs = tuple(
-            stores.compensate(store, state.residuals[store.group.label], arrays[i])
-            if store.kind == "leaf"
-            else arrays[i]
-            for store, i in zip(plan.stores, members, strict=True)
-        )
+        # A group's members last to first, as the per-leaf pass adds them (§4.2's sum).
+        members = [(store, i) for store in plan.stores for i in reversed(store.group.members)]
+        compensated: list[jax.Array] = []
+        weights: dict[int, jax.Array] = {}  # ResiReduce-w weights taken of G~
+        norms: dict[int, Any] = {}  # a 2-D store's row/column norms taken of G~
+        for store, i in members:
+            if store.kind == "none" or (zero_stores and store.kind != "leaf"):
+                compensated.append(arrays[i])
+                continue
+            x = stores.compensate(store, state.residuals[store.group.label], arrays[i])
+            if store.kind == "weighted" and store.weight_source == "compensated":
+                weights[i] = stores.residual_weight(x, store.phi, store.shard)
+            elif store.kind in ("rows", "2d") and store.norm_source == "compensated":
+                x, norms[i] = stores.dimension_norms_in_place(store, x)
+            compensated.append(x)
 
         def branch(k: int) -> Callable[[tuple], tuple]:
             compressor = self.phases[k].compressor
@@ -690,14 +717,42 @@ class _Exchange:
 
             return run
 
+        xs = tuple(compensated)
         if static is not None:
             means, residuals = branch(static)(xs)
         else:
             means, residuals = lax.switch(phase, [branch(k) for k in range(len(self.phases))], xs)
-        for store, i, mean, residual in zip(plan.stores, members, means, residuals, strict=True):
+        sums: dict[str, stores.WeightedSum] = {}
+        for (store, i), mean, r in zip(members, means, residuals, strict=True):
             out[units[i].leaf] = _where_skip(skip, jnp.zeros((), mean.dtype), mean)
+            label, stored = store.group.label, state.residuals.get(store.group.label)
+            if store.kind == "none":
+                continue
             if store.kind == "leaf":  # a skipped step's residual is G~ (nothing was sent)
-                new_residuals[store.group.label] = residual.astype(store.dtype)
+                new_residuals[label] = r.astype(store.dtype)
+            elif zero_stores:
+                new_residuals[label] = stored  # zeros, kept as they are
+            elif store.shared:
+                if store.kind == "average":
+                    weight = jnp.ones([], jnp.float32)
+                else:
+                    weight = weights.get(i)
+                    if weight is None:
+                        weight = stores.residual_weight(r, store.phi, store.shard)
+                acc = sums.get(label)
+                sums[label] = (
+                    stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
+                )
+            else:  # "rows" / "2d"
+                key = _selection_key(self.seed, state.count, i, self.worker_axes, store)
+                kept = stores.compress_residual(store, r, key, norms.get(i))
+                new_residuals[label] = _where_skip(skip, stored, kept)
+        for store in plan.stores:
+            if store.group.label in sums:
+                residual = sums[store.group.label].finish(store)
+                new_residuals[store.group.label] = _where_skip(
+                    skip, state.residuals[store.group.label], residual
+                )
 
     def _zero_stores(self, density_phase: int | None) -> bool:
         """Whether this program is the leading phase of a schedule and that phase is dense.
@@ -971,15 +1026,12 @@ def _global_topk(
 def _check_global_stores(
     name: str, plans: Sequence[stores.StorePlan], layout: layer_stacks_lib.Layout
 ) -> None:
-    """``selection_scope="global"`` selects over whole leaves of one dtype, each in a store
-    of its own."""
-    kinds = sorted({p.kind for p in plans} - {"leaf", "none"})
-    if kinds or not layout.trivial or any(p.shard for p in plans):
-        found = ", ".join(kinds) or ("layer stacks" if not layout.trivial else "sharded stores")
+    """``selection_scope="global"`` selects over whole leaves of one dtype."""
+    if not layout.trivial or any(p.shard for p in plans):
+        found = "layer stacks" if not layout.trivial else "sharded stores"
         raise ValueError(
-            f"{name}: selection_scope='global' takes stores of single whole leaves "
-            f"(error_feedback, compressed_mean), flat and without layer stacks; found "
-            f"{found}. Use selection_scope='leaf' here."
+            f"{name}: selection_scope='global' ranks whole leaves on a flat exchange "
+            f"without layer stacks; found {found}. Use selection_scope='leaf' here."
         )
     dtypes = sorted({p.group.dtype.name for p in plans})
     if len(dtypes) > 1:

@@ -197,6 +197,7 @@ def resireduce(
     residual_dtype: Any = None,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
+    selection_scope: Literal["leaf", "global"] = "leaf",
 ) -> ExchangeTransformation:
     """Compressed gradient averaging with error feedback and reduced residuals.
 
@@ -251,6 +252,12 @@ def resireduce(
         the leaf's dtype. Beyond the paper.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys (compressor randomness, softmax sampling).
+      selection_scope: ``"leaf"`` (default, the paper): a sparsifier sends its density of
+        every member; ``"global"``: a Top-k compressor sends its density of all compressed
+        members together, ranked by magnitude across layers (whole-model Top-k, beyond the
+        paper; :mod:`resireduce_jax.exchange`). The stores are the same: each keeps what its
+        members did not send. Flat exchanges without layer stacks, every phase Top-k or
+        dense, one dtype; the members' compensated gradients are all alive at once.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
@@ -299,4 +306,5 @@ def resireduce(
         name="resireduce",
         local_axis=local_axis,
         layer_stacks=layer_stacks,
+        selection_scope=selection_scope,
     )

@@ -288,7 +288,8 @@ def test_accuracy_rows_per_recipe_with_ratio_to_dense_and_bytes_sent():
     assert not accuracy.applicable(sgd, "cm_dgc", "dgc")
     assert accuracy.applicable(sgd, "cm_global", "ef")
     assert accuracy.applicable(sgd, "cm_global", "ef+bf16")
-    assert not accuracy.applicable(sgd, "cm_global", "w+2d")  # the config refuses it
+    assert accuracy.applicable(sgd, "cm_global", "w+2d")
+    assert not accuracy.applicable(sgd, "cm_global", "dgc")
     assert not accuracy.applicable(sgd, "dense_warmup", "dgc")  # masking empties a dense step
     assert not accuracy.applicable(adam, "cm", "dense")  # dense is the base only
     assert accuracy.RECIPES["cm"].overrides(sgd)["optimizer.name"] == "compressed_momentum_sgd"

@@ -406,7 +406,7 @@ def _mlp_task(width: int, rng: np.random.Generator, steps: int):
     return params, batches, loss
 
 
-def _w2d(compressor):
+def _w2d(compressor, selection_scope="leaf"):
     return rr.resireduce(
         compressor,
         min_size=MIN_SIZE,
@@ -414,20 +414,24 @@ def _w2d(compressor):
         inter="weighted",
         intra="2d",
         intra_layers="^in$",
+        selection_scope=selection_scope,
     )
 
 
-def test_a_leading_dense_phase_keeps_shared_and_2d_stores_at_zero_exactly():
+@pytest.mark.parametrize("scope", ["leaf", "global"])
+def test_a_leading_dense_phase_keeps_shared_and_2d_stores_at_zero_exactly(scope):
     """Through a dense warm-up the w+2d stores hold zeros, so the phase's own program sends
     the gradients uncompensated; it trains as the switching program does (to float32
-    rounding), a skipped (NaN) step in the warm-up included, and leaves the stores zero."""
+    rounding), a skipped (NaN) step in the warm-up included, and leaves the stores zero.
+    ``global``: the same under whole-model Top-k."""
     sched = rr.compressors.dense_warmup(3, 0.05)
     params, batches, loss = _mlp_task(48, np.random.default_rng(3), steps=6)
     batches[1]["x"][0, 0] = np.nan  # a skipped step inside the dense phase
     found = schedule.phases(rr.compressors.topk(sched))
 
     def train(static):
-        tx = rr.skip_nonfinite(optax.chain(_w2d(rr.compressors.topk(sched)), optax.adam(1e-2)))
+        exchange = _w2d(rr.compressors.topk(sched), scope)
+        tx = rr.skip_nonfinite(optax.chain(exchange, optax.adam(1e-2)))
         mesh = th.mesh(W)
         step = rr.parallel.data_parallel_step(loss, tx, mesh)
         p, s = step.init(jax.tree.map(np.copy, params))

@@ -91,8 +91,10 @@ def np_resireduce(
     row_ratio=None,
     col_ratio=0.5,
     store_dtype=np.float32,
+    scope="leaf",
 ):
-    """Per worker: EF with group-shared residuals (§4.2) and intra-layer reduction (§4.3)."""
+    """Per worker: EF with group-shared residuals (§4.2) and intra-layer reduction (§4.3);
+    ``scope="global"``: one Top-k over every compensated member at once."""
     params = _flat(_params())
     compressed = [p for p, x in params.items() if x.ndim >= 2 and x.size >= MIN_SIZE]
     groups = [list(GROUP)] if inter != "none" else []
@@ -106,18 +108,16 @@ def np_resireduce(
     for grads in grads_per_step:
         grads = _flat(grads)
         out = {p: grads[p].astype(np.float64).mean(0) for p in params if p not in compressed}
-        for g in groups:
-            sent_sum = {p: np.zeros(params[p].shape) for p in g}
-            for w in range(W):
-                r_old = stored[g[0]][w].astype(np.float32)
-                rs, comps, weights = [], [], []
+        sent_sum = {p: np.zeros(params[p].shape) for p in compressed}
+        for w in range(W):
+            comps = {p: grads[p][w] + stored[g[0]][w].astype(np.float32) for g in groups for p in g}
+            sent = _np_select(comps, scope)
+            for g in groups:
+                rs, weights = [], []
                 for p in g:
-                    comp = grads[p][w] + r_old
-                    sent = th.np_topk_sparsify(comp, DENSITY)
-                    sent_sum[p] += sent
-                    rs.append(comp - sent)
-                    comps.append(comp)
-                    source = comp if weight_source == "compensated" else rs[-1]
+                    sent_sum[p] += sent[p]
+                    rs.append(comps[p] - sent[p])
+                    source = comps[p] if weight_source == "compensated" else rs[-1]
                     weights.append(1.0 if inter == "average" else np_weight(source))
                 if len(g) > 1:
                     total = sum(
@@ -125,15 +125,28 @@ def np_resireduce(
                     )
                     new = total / sum(weights)
                 elif intra != "none" and g[0] in intra_paths:
-                    ranked_by = comps[0] if norm_source == "compensated" else None
+                    ranked_by = comps[g[0]] if norm_source == "compensated" else None
                     new = np_keep_2d(g[0], rs[0], row_ratio, cols, ranked_by)[0]
                 else:
                     new = rs[0]
                 stored[g[0]][w] = new.astype(store_dtype).astype(np.float32)
-            for p in g:
-                out[p] = sent_sum[p] / W
+        for p in compressed:
+            out[p] = sent_sum[p] / W
         outputs.append(out)
     return outputs, stored
+
+
+def _np_select(comps: dict[str, np.ndarray], scope: str) -> dict[str, np.ndarray]:
+    """What one worker sends of each compensated leaf: Top-k of each (``"leaf"``) or of
+    their concatenation (``"global"``)."""
+    if scope == "leaf":
+        return {p: th.np_topk_sparsify(c, DENSITY) for p, c in comps.items()}
+    flat = th.np_topk_sparsify(np.concatenate([c.ravel() for c in comps.values()]), DENSITY)
+    bounds = np.cumsum([0, *(c.size for c in comps.values())])
+    return {
+        p: flat[a:b].reshape(c.shape)
+        for (p, c), a, b in zip(comps.items(), bounds[:-1], bounds[1:], strict=True)
+    }
 
 
 VARIANTS = {
@@ -167,16 +180,22 @@ def _blocks_resireduce(**options):
     )
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant_matches_numpy_reference(grads, name):
+@pytest.mark.parametrize(
+    "name, scope",
+    [(name, "leaf") for name in VARIANTS]
+    + [(name, "global") for name in ("a", "w-compensated", "2d-compensated-norms", "w+2d")],
+)
+def test_variant_matches_numpy_reference(grads, name, scope):
+    """Every variant step by step against numpy; under whole-model Top-k
+    (``selection_scope="global"``) the stores keep what the joint selection left."""
     opts = dict(VARIANTS[name])
     store_dtype = ml_dtypes.bfloat16 if opts.get("residual_dtype") == "bfloat16" else np.float32
-    tx = _blocks_resireduce(**opts)
+    tx = _blocks_resireduce(selection_scope=scope, **opts)
     outputs, state = th.run_shard_map(tx, _params(), grads)
     intra_paths = {"big/kernel", "embed/embedding"}
     opts.pop("residual_dtype", None)
     ref_out, ref_stored = np_resireduce(
-        grads, intra_paths=intra_paths, store_dtype=store_dtype, **opts
+        grads, intra_paths=intra_paths, store_dtype=store_dtype, scope=scope, **opts
     )
     atol = 1e-5 if store_dtype is np.float32 else 2e-2
     for out, ref in zip(outputs, ref_out, strict=True):

@@ -82,8 +82,12 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
         ),
         (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
         (
-            lambda c: c.compression.update(selection_scope="global", variant="w+2d"),
-            "selection_scope='global'.*'ef' or 'none'; got 'topk' with 'w\\+2d'",
+            lambda c: c.compression.update(selection_scope="global", compressor="randomk"),
+            "selection_scope='global'.*any variant but 'dgc'; got 'randomk' with 'w\\+2d'",
+        ),
+        (
+            lambda c: (c.compression.update(selection_scope="global"), c.update(local_devices=4)),
+            "selection_scope='global' ranks whole leaves on a flat exchange",
         ),
         (
             lambda c: c.compression.update(selection_scope="model"),
@@ -103,6 +107,24 @@ def test_every_variant_builds():
     for variant in config_schema.VARIANTS:
         c = small_digits(**{"compression.variant": variant})
         train.build_run(c)
+
+
+@pytest.mark.parametrize("variant", ["none", "ef", "w+2d"])
+def test_selection_scope_reaches_every_exchange(variant):
+    """compression.selection_scope='global' sends floor(density * N) entries of all N
+    compressed elements in one payload (8 bytes each: value and index), where per-leaf
+    Top-k sends the sum of each leaf's floor: 451 against 151 + 3 * 99 = 448 here."""
+    from train import factory
+
+    c = small_digits(**{"compression.variant": variant, "compression.min_size": 1000})
+    c.compression.intra_layers = "^in$"
+    params = {"in": np.zeros((150, 101), np.float32)}
+    params |= {f"h{i}": np.zeros((99, 101), np.float32) for i in range(3)}
+    sent = {}
+    for scope in ("leaf", "global"):
+        c.compression.selection_scope = scope
+        sent[scope] = factory.build_exchange(c.compression).bytes_sent(params, 1)
+    assert sent == {"leaf": 8 * (151 + 3 * 99), "global": 8 * 451}
 
 
 def test_variant_vocabulary_and_optimizer_registry():

@@ -124,7 +124,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.col_ratio = 0.5
     c.compression.selection = "top"
     # What a Top-k density applies to: "leaf" (each compressed leaf sends its share) or
-    # "global" (whole-model Top-k over every compressed leaf; variants ef and none only).
+    # "global" (whole-model Top-k over every compressed leaf; any variant but dgc, flat
+    # exchanges without scanned layers).
     c.compression.selection_scope = "leaf"
     c.compression.weight_source = "residual"
     # What -d/-2d rank rows and columns by: L1 norms of the fresh residual ("residual", the
@@ -295,10 +296,15 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     )
     if comp.selection_scope == "global":
         _check(
-            comp.variant in ("ef", "none") and comp.compressor == "topk",
+            comp.variant != "dgc" and comp.compressor == "topk",
             "compression.selection_scope='global' (whole-model Top-k) takes "
-            "compression.compressor='topk' with compression.variant 'ef' or 'none'; got "
+            "compression.compressor='topk' and any variant but 'dgc'; got "
             f"{comp.compressor!r} with {comp.variant!r}.",
+        )
+        _check(
+            not c.local_devices and not c.model.scan_layers,
+            "compression.selection_scope='global' ranks whole leaves on a flat exchange: "
+            "unset local_devices and model.scan_layers, or use selection_scope='leaf'.",
         )
         _check(
             c.memory.budget is None,

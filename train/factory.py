@@ -207,6 +207,7 @@ def build_exchange(
         axis_name,
         local_axis=local_axis,
         layer_stacks=layer_stacks,
+        selection_scope=scope,
         **_resireduce_options(comp, variant),
     )
 
