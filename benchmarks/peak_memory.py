@@ -12,6 +12,8 @@ and lists what is alive at the peak. What the figures mean: ``results/peak_memor
     python benchmarks/peak_memory.py --models resnet50 --explain /tmp/rr_dump
     python benchmarks/peak_memory.py --models bert_base --guard guard \
         --optimizer compressed_momentum_adam --variants ef+f8 w+2d   # its compressed phase
+    python benchmarks/peak_memory.py --models gpt2_medium --guard guard \
+        --selection-scope global --variants w+2d   # whole-model Top-k, EF and w+2d
     python benchmarks/peak_memory.py --from-json           # re-render the markdown
 """
 
@@ -309,7 +311,12 @@ def temp_packing(dump_dir: str) -> dict[str, int]:
 
 
 def _explain_in_subprocess(
-    model: str, variant: str, guard: bool | str, dump_root: str, optimizer: str | None = None
+    model: str,
+    variant: str,
+    guard: bool | str,
+    dump_root: str,
+    optimizer: str | None = None,
+    selection_scope: str = "leaf",
 ) -> dict:
     """XLA dump flags are fixed at start-up: compile one step in a child process."""
     import subprocess
@@ -321,6 +328,7 @@ def _explain_in_subprocess(
     cmd = [sys.executable, __file__, "--models", model, "--_one", variant]
     flag = guard if isinstance(guard, str) else str(int(guard))
     cmd += ["--_guard", flag, *(["--optimizer", optimizer] if optimizer else [])]
+    cmd += ["--selection-scope", selection_scope]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return {**live_at_peak(dump_dir), "temp_packing": temp_packing(dump_dir)}
 
@@ -328,9 +336,16 @@ def _explain_in_subprocess(
 # ------------------------------------------------------------------ the comparison
 
 
-def _compile(case: Case, variant: str, guard: bool | str, optimizer: str | None = None):
+def _compile(
+    case: Case,
+    variant: str,
+    guard: bool | str,
+    optimizer: str | None = None,
+    selection_scope: str = "leaf",
+):
     """``guard``: ``False``, ``True`` (the config's guard mode) or a guard mode name;
-    ``optimizer``: the training program's optimizer name in place of the config's.
+    ``optimizer``: the training program's optimizer name in place of the config's;
+    ``selection_scope``: ``compression.selection_scope`` (``"global"``: whole-model Top-k).
 
     The last phase of the density schedule is compiled; a compressed-momentum optimizer
     gets the recipe's dense warm-up (:data:`CM_DENSE_FRACTION` of the steps; the Adam one
@@ -341,6 +356,7 @@ def _compile(case: Case, variant: str, guard: bool | str, optimizer: str | None 
     config = case.load()
     if isinstance(guard, str):
         config.compression.guard_mode = guard
+    config.compression.selection_scope = selection_scope
     if optimizer:
         config.optimizer.name = optimizer
         schedule = config.compression.density_schedule
@@ -362,9 +378,10 @@ def measure(
     guard: bool | str,
     variants: tuple[str, ...] | None = None,
     optimizer: str | None = None,
+    selection_scope: str = "leaf",
 ) -> dict[str, Any]:
     """Compiles EF and each of ``variants`` (default: the config's) and compares them
-    (``optimizer``: see :func:`_compile`).
+    (``optimizer``, ``selection_scope``: see :func:`_compile`).
 
     The top-level ``variant``, ``state_saving``, ``peak_drop`` and ``ratio`` are those of
     the first variant.
@@ -374,7 +391,7 @@ def measure(
     variants = tuple(variants or (case.load().compression.variant,))
     steps: dict[str, dict[str, Any]] = {}
     for variant in ("ef", *variants):
-        step = _compile(case, variant, guard, optimizer)
+        step = _compile(case, variant, guard, optimizer, selection_scope)
         steps[variant] = {
             **step.peak.as_dict(),
             "residual_bytes": rr.memory.model_state_bytes(step.params, step.tx).residuals,
@@ -394,6 +411,7 @@ def measure(
         "guard": guard,
         "description": case.description,
         "optimizer": optimizer,
+        "selection_scope": selection_scope,
         "steps": steps,
         "variant": variants[0],
         **{k: first[k] for k in ("state_saving", "peak_drop", "ratio")},
@@ -422,6 +440,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
             *(
                 [f"Optimizer `{rows[0]['optimizer']}`, the density schedule's last phase.", ""]
                 if rows[0].get("optimizer")
+                else []
+            ),
+            *(
+                ['Whole-model Top-k (`compression.selection_scope="global"`) in every step.', ""]
+                if rows[0].get("selection_scope") == "global"
                 else []
             ),
         ]
@@ -509,6 +532,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the optimizer's name in place of each config's (e.g. compressed_momentum_adam)",
     )
+    parser.add_argument(
+        "--selection-scope",
+        choices=("leaf", "global"),
+        default="leaf",
+        help="compression.selection_scope of every step (global: whole-model Top-k)",
+    )
     parser.add_argument("--out", default=None, help="directory for peak_memory.{json,md}")
     parser.add_argument(
         "--explain", metavar="DIR", help="dump the steps and show what is alive at the peak"
@@ -529,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime.configure_cpu(NUM_WORKERS)
     if args._one:  # child process of --explain: compile one step with dump flags
         guard = {"0": False, "1": True}.get(args._guard, args._guard)
-        _compile(CASES[args.models[0]], args._one, guard, args.optimizer)
+        _compile(CASES[args.models[0]], args._one, guard, args.optimizer, args.selection_scope)
         return
 
     guards = {
@@ -542,10 +571,11 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in args.models:
         for guard in guards:
-            r = measure(name, CASES[name], guard, tuple(args.variants), args.optimizer)
+            scope = args.selection_scope
+            r = measure(name, CASES[name], guard, tuple(args.variants), args.optimizer, scope)
             if args.explain:
                 r["explain"] = {
-                    v: _explain_in_subprocess(name, v, guard, args.explain, args.optimizer)
+                    v: _explain_in_subprocess(name, v, guard, args.explain, args.optimizer, scope)
                     for v in r["steps"]
                 }
             results.append(r)

@@ -39,9 +39,12 @@ several-fold between layers; per-leaf quotas send a layer of tiny gradients as m
 as one of large gradients). Every kind of store works unchanged: each member is compensated
 with its store's residual before the selection, and each store keeps what its members did
 not send after it (a shared group's weighted mean, a 2-D store's rows and columns). The
-compensated leaves are concatenated for the selection: one gradient-sized buffer beside
-them, and a shared group's members are all compensated before the first is sent (by
-construction; not measured at the compiled peak).
+leaves are never concatenated: each gives its top ``min(k, n)`` entries as candidates and
+one Top-k over the candidates picks the payload (:meth:`TopK.reduce_jointly`). Memory at
+the compiled peak (``benchmarks/results/peak_memory_global``): EF keeps each compensated
+gradient in its residual's buffer, as per leaf; a shared or 2-D store cannot, and no member
+is finished before the joint selection, so every such member's compensated gradient is
+alive at once (GPT-2 medium width: w+2d's peak above EF's).
 
 **Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
 weight of every layer (a scanned model) is one unit per slice: plans are made on the
@@ -94,7 +97,7 @@ from resireduce_jax.compressors.base import (
     ordered,
 )
 from resireduce_jax.compressors.dense import NoCompression
-from resireduce_jax.compressors.sparse import SparsePayload, TopK
+from resireduce_jax.compressors.sparse import TopK
 from resireduce_jax.tree_paths import validate_float_leaves
 
 PyTree = Any
@@ -711,7 +714,7 @@ class _Exchange:
 
             def run(xs: tuple) -> tuple:
                 if isinstance(compressor, TopK):
-                    return _global_topk(compressor, xs, payload_axes, skip)
+                    return compressor.reduce_jointly(xs, payload_axes, skip)
                 reduced = [compressor.reduce(x, (), None, payload_axes, skip=skip) for x in xs]
                 return tuple(r.mean for r in reduced), tuple(r.residual for r in reduced)
 
@@ -997,30 +1000,6 @@ def _compensate_stack(stack_plan: StackPlan, residuals: dict[str, Any], x: jax.A
         stored = residuals[plan.group.label]
         x = in_place.add_slices(x, stored[None], start, np.zeros(stop - start, np.int32))
     return x
-
-
-def _global_topk(
-    compressor: TopK, xs: tuple[jax.Array, ...], axis_name: AxisName, skip: jax.Array | None
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Top-k over the concatenation of ``xs``: ``k = density * sum(sizes)`` entries by
-    magnitude (ties to the lower position, ``lax.top_k``'s order), one sparse exchange of
-    the concatenation, and each leaf's mean and residual ``x - D(P)`` (on a skipped step
-    ``x``: nothing was sent)."""
-    flat = jnp.concatenate([x.ravel() for x in xs])
-    _, indices = lax.top_k(jnp.abs(flat), compressor.k(flat.size))
-    indices = indices.astype(jnp.int32)
-    values = flat[indices]
-    like = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
-    mean = compressor.aggregate(SparsePayload(values, indices), like, axis_name)
-    residual = compressor.residual(flat, SparsePayload(values, indices), skip)
-    bounds = np.cumsum([0, *(x.size for x in xs)])
-    return tuple(
-        tuple(
-            a[start:stop].reshape(x.shape)
-            for x, start, stop in zip(xs, bounds[:-1], bounds[1:], strict=True)
-        )
-        for a in (mean, residual)
-    )
 
 
 def _check_global_stores(

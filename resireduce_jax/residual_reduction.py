@@ -257,7 +257,10 @@ def resireduce(
         members together, ranked by magnitude across layers (whole-model Top-k, beyond the
         paper; :mod:`resireduce_jax.exchange`). The stores are the same: each keeps what its
         members did not send. Flat exchanges without layer stacks, every phase Top-k or
-        dense, one dtype; the members' compensated gradients are all alive at once.
+        dense, one dtype. The compensated gradients of every shared or 2-D member are
+        alive at once (no member is finished before the joint selection): on GPT-2
+        medium width w+2d's peak is then above error feedback's, so use
+        :func:`~resireduce_jax.error_feedback` with it where memory matters.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an

@@ -203,8 +203,8 @@ def error_feedback(
       selection_scope: ``"leaf"`` (default): a sparsifier sends its density of every
         leaf; ``"global"``: a Top-k compressor sends its density of all compressed leaves
         together, ranked by magnitude across leaves (whole-model Top-k: the same bytes, and
-        a layer of large gradients gets more of them; one concatenated copy of the
-        compensated leaves at the exchange). Flat exchanges without layer stacks, every
+        a layer of large gradients gets more of them; each compensated leaf stays in its
+        residual's buffer, as per leaf). Flat exchanges without layer stacks, every
         phase Top-k or dense, one dtype. Beyond the paper
         (:mod:`resireduce_jax.exchange`).
 

@@ -26,7 +26,9 @@ the backend's scatter implementation.
 from __future__ import annotations
 
 import abc
+import functools
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
@@ -49,6 +51,7 @@ __all__ = [
     "gathered_mean",
     "ordered",
     "sparse_mean",
+    "sparse_means",
     "zeros_for",
 ]
 
@@ -336,6 +339,50 @@ def sparse_mean(
     zeros, (all_values, all_indices) = zeros_for((n,), acc_dtype, (all_values, all_indices))
     total = lax.fori_loop(0, workers, add_worker, zeros)
     return (total / workers).astype(like.dtype).reshape(like.shape)
+
+
+def sparse_means(
+    values: jax.Array,
+    indices: jax.Array,
+    likes: Sequence[jax.ShapeDtypeStruct],
+    axis_name: str,
+) -> tuple[jax.Array, ...]:
+    """:func:`sparse_mean` of one payload whose int32 indices address the concatenation
+    of the flattened ``likes``, as one mean per ``like``.
+
+    One all-gather of values and indices; then each leaf's mean is scatter-added, worker
+    after worker, into a buffer of its own from the entries that fall in its range (the
+    others go to distinct positions past its end, which are dropped). The sums are
+    :func:`sparse_mean`'s of the concatenation, element by element and in the same order,
+    without a buffer the size of all the leaves together.
+    """
+    all_values = all_gather(values, axis_name)
+    all_indices = all_gather(indices, axis_name)
+    workers, k = all_indices.shape
+    spare = lax.iota(jnp.int32, k)
+    means: list[jax.Array] = []
+    start = 0
+    gathered = (all_values, all_indices)
+    for like in likes:
+        n = math.prod(like.shape)
+
+        def add_worker(w, acc, start=start, n=n, gathered=None):
+            all_values, all_indices = gathered
+            local = all_indices[w] - start
+            local = jnp.where((local >= 0) & (local < n), local, n + spare)
+            return acc.at[local].add(
+                all_values[w].astype(acc.dtype), mode="drop", unique_indices=True
+            )
+
+        acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
+        # Each fill after the previous leaf's mean: fills of equal shapes made from the
+        # same operands would be one constant to XLA, copied into every loop.
+        zeros, (gathered, *_) = zeros_for((n,), acc_dtype, (gathered, *means[-1:]))
+        body = functools.partial(add_worker, start=start, n=n, gathered=gathered)
+        total = lax.fori_loop(0, workers, body, zeros)
+        means.append((total / workers).astype(like.dtype).reshape(like.shape))
+        start += n
+    return tuple(means)
 
 
 def gathered_mean(

@@ -35,6 +35,7 @@ from resireduce_jax.compressors.base import (
     check_int,
     dense_mean,
     sparse_mean,
+    sparse_means,
 )
 from resireduce_jax.compressors.schedule import DensitySchedule, as_density
 
@@ -203,12 +204,57 @@ class TopK(_SparseBase):
         residual = jax.vmap(self.residual, in_axes=(0, 0, skip_axis))(x, payload, skip)
         return Reduced(mean=mean, residual=residual, state=state)
 
-    def _select_in_place(self, x, slices: int | None) -> tuple[SparsePayload, jax.Array]:
-        """The payload of ``x`` (of each of its ``slices`` along axis 0) and ``x`` again."""
+    def reduce_jointly(
+        self,
+        xs: tuple[jax.Array, ...],
+        axis_name: str,
+        skip: jax.Array | None = None,
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Whole-model Top-k: the ``k = density * N`` entries of largest magnitude among
+        all ``N`` entries of ``xs`` (one dtype), sent as one payload whose int32 indices
+        address the leaves' concatenation; returns each leaf's mean and residual.
+
+        The payload is that of Top-k on the concatenation, bit for bit (same entries, same
+        order, ties to the lower position), but the concatenation is never formed: every
+        global top-``k`` entry is among its own leaf's top ``min(k, n)``, so each leaf
+        contributes that many candidates (``|x|`` ranked in ``x``'s own buffer, as
+        :meth:`compress_consuming`), and one Top-k over the candidates picks the payload.
+        Means (:func:`~resireduce_jax.compressors.base.sparse_means`) and residuals are
+        built leaf by leaf in buffers of their own.
+        """
+        sizes = [x.size for x in xs]
+        k = self.k(sum(sizes))
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        values, indices, restored = [], [], []
+        for x, start in zip(xs, starts, strict=True):
+            payload, x = self._select_in_place(x, None, k=min(k, x.size))
+            values.append(payload.values)
+            indices.append(payload.indices + jnp.int32(start))
+            restored.append(x)
+        values, indices = jnp.concatenate(values), jnp.concatenate(indices)
+        _, pick = lax.top_k(jnp.abs(values), k)
+        values, indices = values[pick], indices[pick]
+        likes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+        means = sparse_means(values, indices, likes, axis_name)
+        # Residuals after the payload was read, as in :meth:`reduce`.
+        restored, values, indices = lax.optimization_barrier((restored, values, indices))
+        spare = lax.iota(jnp.int32, k)
+        residuals = []
+        for x, start in zip(restored, starts, strict=True):
+            local = indices - start
+            local = jnp.where((local >= 0) & (local < x.size), local, x.size + spare)
+            residuals.append(self.residual(x, SparsePayload(values, local), skip))
+        return means, tuple(residuals)
+
+    def _select_in_place(
+        self, x, slices: int | None, k: int | None = None
+    ) -> tuple[SparsePayload, jax.Array]:
+        """The payload of ``x`` (of each of its ``slices`` along axis 0; ``k`` entries of
+        each, default :meth:`k`) and ``x`` again."""
         magnitude, bits = in_place.magnitudes(x, slices=slices or 1)
         n = x.size // (slices or 1)
         ranked = magnitude.ravel() if slices is None else magnitude.reshape(slices, n)
-        top, indices = lax.top_k(ranked, self.k(n))
+        top, indices = lax.top_k(ranked, self.k(n) if k is None else k)
         indices = indices.astype(jnp.int32)
         # Top-k has read |x| before the signs are restored over it.
         magnitude, bits, top, indices = lax.optimization_barrier((magnitude, bits, top, indices))
