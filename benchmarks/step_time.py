@@ -12,6 +12,7 @@ Writes ``benchmarks/results/step_time.{json,md}``. Usage::
     python benchmarks/step_time.py --weight-update-order   # the config's variant, the step's
                                                            # default order vs "unordered"
     python benchmarks/step_time.py --backward-order        # streamed vs "free"
+    python benchmarks/step_time.py --selection-scope       # EF: whole-model vs per-leaf Top-k
     python benchmarks/step_time.py --from-json [--backward-order]   # re-render the markdown
 
 ``--weight-update-order`` writes ``step_time_order.{json,md}`` instead: the config's variant
@@ -19,7 +20,9 @@ with ``data_parallel_step``'s default ``weight_update_order="last_read"`` (each 
 updated in place after its last read) against ``"unordered"`` (XLA copies the weights).
 ``--backward-order`` writes ``step_time_backward.{json,md}``: the default
 ``backward_order="streamed"`` (the backward pass waits for each weight gradient whose
-inputs outweigh it) against ``"free"`` (XLA's own order).
+inputs outweigh it) against ``"free"`` (XLA's own order). ``--selection-scope`` writes
+``step_time_scope.{json,md}``: error feedback with ``compression.selection_scope="global"``
+(whole-model Top-k) against ``"leaf"``.
 """
 
 from __future__ import annotations
@@ -60,14 +63,17 @@ CASES: dict[str, Case] = {
 
 
 class Comparison(NamedTuple):
-    """Two values of one ``data_parallel_step`` argument, timed on the config's variant."""
+    """Two values of one ``data_parallel_step`` argument (or ``compression`` config key),
+    timed on the config's variant (or ``variant``)."""
 
     keyword: str  # the argument
     baseline: str  # timed first, the ratio's denominator
-    default: str  # the step's default
+    default: str  # the step's default (the value compared with the baseline)
     output: str  # results file stem under benchmarks/results/
     title: str
     about: str  # what the two values do, for the table's heading
+    setting: bool = False  # keyword is a key of config.compression, not a step argument
+    variant: str | None = None  # the variant timed (None: the config's)
 
 
 COMPARISONS: dict[str, Comparison] = {
@@ -90,6 +96,19 @@ COMPARISONS: dict[str, Comparison] = {
         'the step\'s default ``backward_order="streamed"`` (the backward pass waits for each '
         "weight gradient whose inputs outweigh it, through optimization barriers) against "
         '``"free"`` (XLA\'s scheduler orders the backward pass alone)',
+    ),
+    "selection_scope": Comparison(
+        "selection_scope",
+        "leaf",
+        "global",
+        "step_time_scope",
+        "whole-model Top-k",
+        'error feedback with ``compression.selection_scope="global"`` (one selection over '
+        "every compressed leaf: the k-th largest magnitude by bisection, then each leaf "
+        "compacted) against "
+        '``"leaf"`` (each leaf\'s own Top-k)',
+        setting=True,
+        variant="ef",
     ),
 }
 
@@ -190,20 +209,25 @@ def measure(
 ) -> dict[str, Any]:
     """EF against the config's variant, or with ``compare`` the config's variant under the
     comparison's baseline value (reported as "ef" / baseline) against its default."""
-    variant = case.load().compression.variant
+    variant = (compare and compare.variant) or case.load().compression.variant
     if compare is None:
-        runs = {"ef": ("ef", {}), variant: (variant, {})}
+        runs = {"ef": ("ef", {}, {}), variant: (variant, {}, {})}
     else:
         runs = {
-            value: (variant, {compare.keyword: value})
+            value: (
+                variant,
+                {} if compare.setting else {compare.keyword: value},
+                {compare.keyword: value} if compare.setting else {},
+            )
             for value in (compare.baseline, compare.default)
         }
     labels = tuple(runs)
     start = time.perf_counter()
-    runners = {
-        label: Runner.of_variant(case, v, guard, options=options)
-        for label, (v, options) in runs.items()
-    }
+    runners = {}
+    for label, (v, options, settings) in runs.items():
+        config = case.load()
+        config.compression.update(settings)
+        runners[label] = Runner.of_variant(case, v, guard, config=config, options=options)
     for runner in runners.values():  # compile, then warm up
         runner.run(1)
         runner.run(steps)
@@ -292,6 +316,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help='time the streamed backward pass against "free" instead',
     )
+    which.add_argument(
+        "--selection-scope",
+        action="store_true",
+        help="time error feedback with whole-model Top-k against per-leaf Top-k instead",
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -300,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         compare = COMPARISONS["weight_update_order"]
     elif args.backward_order:
         compare = COMPARISONS["backward_order"]
+    elif args.selection_scope:
+        compare = COMPARISONS["selection_scope"]
     name = compare.output if compare else "step_time"
     if args.from_json:
         rerender(name, lambda results: markdown(results, compare), args.out, key="results")
@@ -309,10 +340,10 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure_cpu(NUM_WORKERS)
     results = []
-    for name in args.models:
+    for model in args.models:
         r = measure(
-            name,
-            CASES[name],
+            model,
+            CASES[model],
             guard=not args.no_guard,
             repeats=args.repeats,
             steps=args.steps,
@@ -321,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(r)
         first, second = (compare.baseline, compare.default) if compare else ("EF", r["variant"])
         print(
-            f"{name:10s} {first} {r['median_ef']:.3f} s  {second} {r['median_reduced']:.3f} s  "
+            f"{model:10s} {first} {r['median_ef']:.3f} s  {second} {r['median_reduced']:.3f} s  "
             f"ratio {r['ratio_of_medians']:.3f}",
             flush=True,
         )

@@ -740,14 +740,22 @@ def test_each_exchange_fills_its_own_accumulator(name):
     assert not fills
 
 
-def test_joint_topk_equals_topk_of_the_concatenation_with_ties_and_a_small_leaf():
+@pytest.mark.parametrize("values_kind", ["tied", "continuous"])
+@pytest.mark.parametrize("block", [None, 64])
+def test_joint_topk_equals_topk_of_the_concatenation(values_kind, block, monkeypatch):
     """TopK.reduce_jointly (whole-model Top-k) against TopK.reduce of the concatenated
-    leaves: the same payload (entries and order), means and residuals bit for bit, with
-    magnitudes tied across leaves (integers) and a leaf smaller than k; one all-gather
+    leaves: the same entries sent, means and residuals bit for bit, with magnitudes tied
+    across leaves (integers: the ties are cut by position) or not, a leaf smaller than k,
+    and leaves compacted in one block or in many (the last overlapping); one all-gather
     per payload array, as a single leaf's exchange."""
+    if block is not None:
+        monkeypatch.setattr(C.sparse, "JOINT_BLOCK", block)
     rng = np.random.default_rng(11)
     shapes = [(30, 20), (7,), (40, 25)]  # k = 0.05 * 1607 = 80 > 7
-    xs = [rng.integers(-4, 5, size=(W, *s)).astype(np.float32) for s in shapes]
+    if values_kind == "tied":
+        xs = [rng.integers(-4, 5, size=(W, *s)).astype(np.float32) for s in shapes]
+    else:
+        xs = [rng.standard_normal((W, *s)).astype(np.float32) for s in shapes]
     comp = C.topk(0.05)
     m = mesh()
     placed = [jax.device_put(x, NamedSharding(m, P(AXIS))) for x in xs]
@@ -767,15 +775,17 @@ def test_joint_topk_equals_topk_of_the_concatenation_with_ties_and_a_small_leaf(
     joint_fn = jax.jit(jax.shard_map(joint, mesh=m, in_specs=spec, out_specs=P(AXIS)))
     got = jax.device_get(joint_fn(*placed))
     ref_fn = jax.jit(jax.shard_map(concatenated, mesh=m, in_specs=spec, out_specs=P(AXIS)))
-    mean, residual, values, indices = jax.device_get(ref_fn(*placed))
+    mean, residual, sent_values, indices = jax.device_get(ref_fn(*placed))
     bounds = np.cumsum([0, *sizes])
-    assert len(set(np.abs(values[0]).tolist())) < comp.k(sum(sizes))  # ties were broken
+    if values_kind == "tied":  # ties were cut
+        assert len(set(np.abs(sent_values[0]).tolist())) < comp.k(sum(sizes))
     for n, (shape, a, b) in enumerate(zip(shapes, bounds[:-1], bounds[1:], strict=True)):
         np.testing.assert_array_equal(got[n], mean[:, a:b].reshape(W, *shape))
         np.testing.assert_array_equal(got[len(shapes) + n], residual[:, a:b].reshape(W, *shape))
     # The entries sent are those of the concatenation's Top-k on every worker.
     for w in range(W):
         sent = np.concatenate([(xs[n][w] - got[len(shapes) + n][w]).ravel() for n in range(3)])
-        np.testing.assert_array_equal(np.flatnonzero(sent), np.sort(indices[w][values[w] != 0]))
+        expected = np.sort(indices[w][sent_values[w] != 0])
+        np.testing.assert_array_equal(np.flatnonzero(sent), expected)
     text = joint_fn.lower(*placed).compile().as_text()
     assert [c.op for c in collectives(text)].count("all-gather") == 2

@@ -52,6 +52,7 @@ __all__ = [
     "ordered",
     "sparse_mean",
     "sparse_means",
+    "varying_as",
     "zeros_for",
 ]
 
@@ -295,6 +296,17 @@ def zeros_for(shape: tuple[int, ...], dtype: Any, gathered: PyTree) -> tuple[jax
     if missing:  # the barrier may already have made the zero as varying as ``gathered``
         zeros = lax.pcast(zeros, tuple(sorted(missing)), to="varying")
     return zeros, gathered
+
+
+def varying_as(x: PyTree, like: jax.Array) -> PyTree:
+    """``x`` made as varying as ``like`` inside ``shard_map`` (a loop carry that starts
+    from a constant and takes ``like``'s values must be typed varying from the start)."""
+
+    def cast(a):
+        missing = _varying_axes(like) - _varying_axes(a)
+        return lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+    return jax.tree.map(cast, x)
 
 
 def _varying_axes(x: jax.Array) -> set[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -36,6 +37,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
     sparse_mean,
     sparse_means,
+    varying_as,
 )
 from resireduce_jax.compressors.schedule import DensitySchedule, as_density
 
@@ -214,47 +216,34 @@ class TopK(_SparseBase):
         all ``N`` entries of ``xs`` (one dtype), sent as one payload whose int32 indices
         address the leaves' concatenation; returns each leaf's mean and residual.
 
-        The payload is that of Top-k on the concatenation, bit for bit (same entries, same
-        order, ties to the lower position), but the concatenation is never formed: every
-        global top-``k`` entry is among its own leaf's top ``min(k, n)``, so each leaf
-        contributes that many candidates (``|x|`` ranked in ``x``'s own buffer, as
-        :meth:`compress_consuming`), and one Top-k over the candidates picks the payload.
-        Means (:func:`~resireduce_jax.compressors.base.sparse_means`) and residuals are
-        built leaf by leaf in buffers of their own.
+        The entries are those of Top-k on the concatenation (ties to the lower position),
+        found without sorting and without forming the concatenation
+        (:func:`joint_top_k`); they travel in position order. Means
+        (:func:`~resireduce_jax.compressors.base.sparse_means`) and residuals are built
+        leaf by leaf in buffers of their own, each residual in its leaf's.
         """
-        sizes = [x.size for x in xs]
-        k = self.k(sum(sizes))
-        starts = np.cumsum([0, *sizes[:-1]]).tolist()
-        values, indices, restored = [], [], []
-        for x, start in zip(xs, starts, strict=True):
-            payload, x = self._select_in_place(x, None, k=min(k, x.size))
-            values.append(payload.values)
-            indices.append(payload.indices + jnp.int32(start))
-            restored.append(x)
-        values, indices = jnp.concatenate(values), jnp.concatenate(indices)
-        _, pick = lax.top_k(jnp.abs(values), k)
-        values, indices = values[pick], indices[pick]
+        k = self.k(sum(x.size for x in xs))
+        values, indices = joint_top_k(xs, k)
         likes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
         means = sparse_means(values, indices, likes, axis_name)
         # Residuals after the payload was read, as in :meth:`reduce`.
-        restored, values, indices = lax.optimization_barrier((restored, values, indices))
+        xs, values, indices = lax.optimization_barrier((xs, values, indices))
         spare = lax.iota(jnp.int32, k)
         residuals = []
-        for x, start in zip(restored, starts, strict=True):
+        start = 0
+        for x in xs:
             local = indices - start
             local = jnp.where((local >= 0) & (local < x.size), local, x.size + spare)
             residuals.append(self.residual(x, SparsePayload(values, local), skip))
+            start += x.size
         return means, tuple(residuals)
 
-    def _select_in_place(
-        self, x, slices: int | None, k: int | None = None
-    ) -> tuple[SparsePayload, jax.Array]:
-        """The payload of ``x`` (of each of its ``slices`` along axis 0; ``k`` entries of
-        each, default :meth:`k`) and ``x`` again."""
+    def _select_in_place(self, x, slices: int | None) -> tuple[SparsePayload, jax.Array]:
+        """The payload of ``x`` (of each of its ``slices`` along axis 0) and ``x`` again."""
         magnitude, bits = in_place.magnitudes(x, slices=slices or 1)
         n = x.size // (slices or 1)
         ranked = magnitude.ravel() if slices is None else magnitude.reshape(slices, n)
-        top, indices = lax.top_k(ranked, self.k(n) if k is None else k)
+        top, indices = lax.top_k(ranked, self.k(n))
         indices = indices.astype(jnp.int32)
         # Top-k has read |x| before the signs are restored over it.
         magnitude, bits, top, indices = lax.optimization_barrier((magnitude, bits, top, indices))
@@ -350,6 +339,91 @@ def compact_indices(mask: jax.Array, capacity: int, fill: int) -> jax.Array:
     slot = jnp.where(mask, slot, capacity)  # unselected entries write out of range
     positions = jnp.arange(mask.size, dtype=jnp.int32)
     return jnp.full((capacity,), fill, jnp.int32).at[slot].set(positions, mode="drop")
+
+
+JOINT_BLOCK = 1 << 16
+"""Entries of a leaf that :func:`joint_top_k` compacts at once."""
+
+
+def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` entries of largest magnitude among all entries of ``xs`` (one dtype), as
+    ``(values, indices)`` with int32 indices into the leaves' flat concatenation, in
+    position order; ties go to the lower position, as ``lax.top_k``'s do.
+
+    No sort and no concatenation: non-negative floats order as their bit patterns, so the
+    ``k``-th largest magnitude ``T`` is found by bisection on those integers, each step one
+    count of ``|x| >= t`` over every leaf (written ``x >= t or x <= -t``, so that no
+    ``|x|`` is formed once outside the loop: a loop-invariant temporary as large as every
+    leaf). Then every leaf is compacted into the payload block by block
+    (:data:`JOINT_BLOCK` entries at a time), in position order, taking the entries above
+    ``T`` and, of those equal to it, the first ``k - #{|x| > T}``.
+    """
+    n_total = sum(x.size for x in xs)
+    if not 0 < k <= n_total or n_total >= 2**31:
+        raise ValueError(f"joint_top_k takes 0 < k <= {n_total} < 2**31 entries, got k={k}.")
+    flats = [x.ravel() for x in xs]
+    dtype = flats[0].dtype
+    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(dtype).itemsize]
+
+    def count_at_least(t: jax.Array, strict: bool = False) -> jax.Array:
+        total = jnp.zeros((), jnp.int32)
+        for f in flats:
+            above = (f > t) | (f < -t) if strict else (f >= t) | (f <= -t)
+            total = total + jnp.sum(above, dtype=jnp.int32)
+        return total
+
+    def as_float(bits: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(bits, dtype)
+
+    def step(_, bounds):  # the largest bits t with #{|x| >= t} >= k, within [lo, hi]
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+        ok = count_at_least(as_float(mid)) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    bounds = (jnp.zeros((), itype), jnp.asarray(jnp.iinfo(itype).max, itype))
+    steps = jnp.iinfo(itype).bits - 1  # halves the non-negative range to one value
+    threshold = as_float(lax.fori_loop(0, steps, step, varying_as(bounds, flats[0]))[0])
+    ties_wanted = k - count_at_least(threshold, strict=True)
+    all_ties = count_at_least(threshold) == k  # the usual case: no tie to cut
+
+    values = jnp.zeros((k,), dtype)
+    indices = jnp.full((k,), n_total, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    carry = varying_as((zero, zero, values, indices), flats[0])
+    start = 0
+    for flat in flats:
+        n = flat.size
+        block = min(n, JOINT_BLOCK)
+        spare = k + lax.iota(jnp.int32, block)
+
+        def compact(b, carry, flat=flat, start=start, n=n, block=block, spare=spare):
+            filled, ties, values, indices = carry
+            at = jnp.minimum(b * block, n - block)  # the last block ends at the leaf's end
+            v = lax.dynamic_slice_in_dim(flat, at, block)
+            pos = at + lax.iota(jnp.int32, block)
+            fresh = pos >= b * block  # not again where the last block overlaps
+
+            def cut_ties():  # the ties at the threshold, in position order, while wanted
+                tie = ((v == threshold) | (v == -threshold)) & fresh
+                rank = ties + lax.associative_scan(jnp.add, tie.astype(jnp.int32)) - 1
+                above = ((v > threshold) | (v < -threshold)) & fresh
+                return above | (tie & (rank < ties_wanted)), ties + jnp.sum(tie, dtype=jnp.int32)
+
+            def every_tie():
+                return ((v >= threshold) | (v <= -threshold)) & fresh, ties
+
+            chosen, ties = lax.cond(all_ties, every_tie, cut_ties)
+            slot = filled + lax.associative_scan(jnp.add, chosen.astype(jnp.int32)) - 1
+            slot = jnp.where(chosen, slot, spare)  # unchosen entries write out of range
+            values = values.at[slot].set(v, mode="drop", unique_indices=True)
+            indices = indices.at[slot].set(start + pos, mode="drop", unique_indices=True)
+            filled = filled + jnp.sum(chosen, dtype=jnp.int32)
+            return filled, ties, values, indices
+
+        carry = lax.fori_loop(0, -(-n // block), compact, carry)
+        start += n
+    return carry[2], carry[3]
 
 
 def _gather_padded(flat: jax.Array, indices: jax.Array) -> jax.Array:
