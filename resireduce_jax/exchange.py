@@ -45,7 +45,7 @@ counts, and each leaf is compacted into the payload block by block
 the compiled peak (``benchmarks/results/peak_memory_global``): EF keeps each compensated
 gradient in its residual's buffer, as per leaf; a shared or 2-D store cannot, and no member
 is finished before the joint selection, so every such member's compensated gradient is
-alive at once (GPT-2 medium width: w+2d's peak above EF's).
+alive at once (GPT-2 medium width and ResNet-50: w+2d's peak above EF's).
 
 **Layer stacks** (``layer_stacks``; docs/design.md, "Layer stacks"). A leaf that stacks one
 weight of every layer (a scanned model) is one unit per slice: plans are made on the
@@ -687,7 +687,7 @@ class _Exchange:
     ) -> None:
         """Every store at once (``selection_scope="global"``): each member compensated
         with its store's residual, then a Top-k phase selects over all of them
-        (:func:`_global_topk`) and any other phase reduces member by member. Each store
+        (:meth:`TopK.reduce_jointly`) and any other phase reduces member by member. Each store
         then keeps what its members did not send, as the per-leaf pass does: a leaf's own
         residual, a shared group's (weighted) mean of its members' (§4.2), a singleton's
         rows or rows × columns (§4.3). Writes the means into ``out`` and the stores into

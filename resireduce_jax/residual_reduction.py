@@ -259,7 +259,7 @@ def resireduce(
         members did not send. Flat exchanges without layer stacks, every phase Top-k or
         dense, one dtype. The compensated gradients of every shared or 2-D member are
         alive at once (no member is finished before the joint selection): on GPT-2
-        medium width w+2d's peak is then above error feedback's, so use
+        medium width and ResNet-50 w+2d's peak is then above error feedback's, so use
         :func:`~resireduce_jax.error_feedback` with it where memory matters.
 
     Returns:

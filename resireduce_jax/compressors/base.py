@@ -26,7 +26,6 @@ the backend's scatter implementation.
 from __future__ import annotations
 
 import abc
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -49,6 +48,7 @@ __all__ = [
     "check_int",
     "dense_mean",
     "gathered_mean",
+    "indices_within",
     "ordered",
     "sparse_mean",
     "sparse_means",
@@ -368,33 +368,36 @@ def sparse_means(
     :func:`sparse_mean`'s of the concatenation, element by element and in the same order,
     without a buffer the size of all the leaves together.
     """
-    all_values = all_gather(values, axis_name)
-    all_indices = all_gather(indices, axis_name)
-    workers, k = all_indices.shape
-    spare = lax.iota(jnp.int32, k)
+    gathered = (all_gather(values, axis_name), all_gather(indices, axis_name))
+    workers = gathered[1].shape[0]
     means: list[jax.Array] = []
     start = 0
-    gathered = (all_values, all_indices)
     for like in likes:
         n = math.prod(like.shape)
-
-        def add_worker(w, acc, start=start, n=n, gathered=None):
-            all_values, all_indices = gathered
-            local = all_indices[w] - start
-            local = jnp.where((local >= 0) & (local < n), local, n + spare)
-            return acc.at[local].add(
-                all_values[w].astype(acc.dtype), mode="drop", unique_indices=True
-            )
-
         acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
         # Each fill after the previous leaf's mean: fills of equal shapes made from the
         # same operands would be one constant to XLA, copied into every loop.
         zeros, (gathered, *_) = zeros_for((n,), acc_dtype, (gathered, *means[-1:]))
-        body = functools.partial(add_worker, start=start, n=n, gathered=gathered)
-        total = lax.fori_loop(0, workers, body, zeros)
+
+        def add_worker(w, acc, start=start, n=n, gathered=gathered):
+            local = indices_within(gathered[1][w], start, n)
+            return acc.at[local].add(
+                gathered[0][w].astype(acc.dtype), mode="drop", unique_indices=True
+            )
+
+        total = lax.fori_loop(0, workers, add_worker, zeros)
         means.append((total / workers).astype(like.dtype).reshape(like.shape))
         start += n
     return tuple(means)
+
+
+def indices_within(indices: jax.Array, start: int, n: int) -> jax.Array:
+    """Positions ``start ... start + n - 1`` of a concatenation as positions of the leaf
+    that holds them; every other index goes to its own position past ``n`` (distinct, so
+    a scatter with ``unique_indices`` and ``mode="drop"`` drops them)."""
+    local = indices - start
+    spare = n + lax.iota(jnp.int32, indices.shape[-1])
+    return jnp.where((local >= 0) & (local < n), local, spare)
 
 
 def gathered_mean(

@@ -35,6 +35,7 @@ from resireduce_jax.compressors.base import (
     Reduced,
     check_int,
     dense_mean,
+    indices_within,
     sparse_mean,
     sparse_means,
     varying_as,
@@ -228,12 +229,10 @@ class TopK(_SparseBase):
         means = sparse_means(values, indices, likes, axis_name)
         # Residuals after the payload was read, as in :meth:`reduce`.
         xs, values, indices = lax.optimization_barrier((xs, values, indices))
-        spare = lax.iota(jnp.int32, k)
         residuals = []
         start = 0
         for x in xs:
-            local = indices - start
-            local = jnp.where((local >= 0) & (local < x.size), local, x.size + spare)
+            local = indices_within(indices, start, x.size)
             residuals.append(self.residual(x, SparsePayload(values, local), skip))
             start += x.size
         return means, tuple(residuals)
