@@ -540,6 +540,44 @@ def test_the_pruned_fit_chooses_what_the_exhaustive_fit_chooses(gpt_compilers):
     assert ruled_out and pruned.compilations <= exhaustive.compilations
 
 
+def test_whole_model_topk_is_planned_without_comparing_exchanges():
+    """compression.selection_scope='global' (whole-model Top-k, the SGD-momentum recipe's):
+    its candidates are planned, and no exchange's peak is predicted from another's (a
+    shared or 2-D store's members all wait for the joint selection, so a smaller residual
+    need not mean a lower peak), so pruning rules out nothing the exhaustive search would
+    choose. The rotor search itself is the per-leaf one
+    (``test_the_pruned_fit_chooses_what_the_exhaustive_fit_chooses``)."""
+    from train import config_schema, memory_plan
+
+    config = tiny_gpt()
+    config.optimizer.name = "compressed_momentum_sgd"
+    config.optimizer.kwargs = {"momentum": 0.9}
+    config.compression.selection_scope = "global"
+    config.memory.budget = "1GiB"
+    config_schema.validate(config)  # a budget with the global scope is a valid config
+    exhaustive, pruned = (
+        memory_plan.StepCompiler(config, seq_len=16, exchanges=("ef", "w+2d"), prune=p)
+        for p in (False, True)
+    )
+    pruned._steps = _SharedPrograms(exhaustive._steps)
+    pruned._chains = exhaustive._chains
+    candidates = exhaustive.candidates()
+    assert {(c.exchange, c.optimizer, c.remat) for c in candidates} == {
+        (e, "original", r) for e in ("ef", "w+2d") for r in ("none", "rotor")
+    }
+    ef, reduced = (Candidate(e, "original", "none") for e in ("ef", "w+2d"))
+    plain = pruned.leanest(ef, 4).peak_bytes
+    assert pruned.predicted_peak(ef, 4).value == plain
+    assert pruned.predicted_peak(reduced, 4) is None  # per leaf: EF's peak less the saving
+    budget = plain + 1  # both fit unchecked: the faster one is chosen
+    want = planner.fit(candidates, exhaustive, budget, batch_per_worker=4)
+    got = planner.fit(candidates, pruned, budget, batch_per_worker=4)
+    assert got.chosen.candidate == want.chosen.candidate
+    assert _same_program(got.chosen.compiled, want.chosen.compiled)
+    assert [r.fits for r in got.rows] == [r.fits for r in want.rows]
+    assert pruned.compilations == exhaustive.compilations == 2
+
+
 def test_the_pruned_batch_search_finds_the_exhaustive_batches():
     from tests.test_train import load_config
     from train import memory_plan

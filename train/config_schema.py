@@ -306,11 +306,6 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             "compression.selection_scope='global' ranks whole leaves on a flat exchange: "
             "unset local_devices and model.scan_layers, or use selection_scope='leaf'.",
         )
-        _check(
-            c.memory.budget is None,
-            "compression.selection_scope='global' is not among the memory planner's "
-            "candidates: unset memory.budget, or use selection_scope='leaf'.",
-        )
     if c.optimizer.name == "compressed_momentum_adam":
         _check(
             sched.dense_fraction > 0,
