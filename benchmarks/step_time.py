@@ -104,8 +104,8 @@ COMPARISONS: dict[str, Comparison] = {
         "step_time_scope",
         "whole-model Top-k",
         'error feedback with ``compression.selection_scope="global"`` (one selection over '
-        "every compressed leaf: the k-th largest magnitude by bisection, then each leaf "
-        "compacted) against "
+        "every compressed leaf: a threshold searched for by counts over every leaf from a "
+        "sampled bracket, then each leaf compacted) against "
         '``"leaf"`` (each leaf\'s own Top-k)',
         setting=True,
         variant="ef",

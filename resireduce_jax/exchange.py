@@ -39,8 +39,8 @@ several-fold between layers; per-leaf quotas send a layer of tiny gradients as m
 as one of large gradients). Every kind of store works unchanged: each member is compensated
 with its store's residual before the selection, and each store keeps what its members did
 not send after it (a shared group's weighted mean, a 2-D store's rows and columns). The
-leaves are never concatenated: the ``k``-th largest magnitude is found by bisection over
-counts, and each leaf is compacted into the payload block by block
+leaves are never concatenated: a threshold is searched for by counts over every leaf,
+from a bracket a sample gives, and each leaf is compacted into the payload block by block
 (:meth:`TopK.reduce_jointly`). Memory at
 the compiled peak (``benchmarks/results/peak_memory_global``): EF keeps each compensated
 gradient in its residual's buffer, as per leaf; a shared or 2-D store cannot, and no member

@@ -740,6 +740,51 @@ def test_each_exchange_fills_its_own_accumulator(name):
     assert not fills
 
 
+def _joint_cases():
+    """``(leaves, k)`` cases: magnitudes that a strided sample brackets well, badly (the
+    large entries where it never looks), not at all (k below one sampled entry), and
+    ties at the k-th magnitude that no count can split (integers, zeros, bfloat16)."""
+    rng = np.random.default_rng(5)
+    sizes = [9000, 1, 300, 21000]  # 30,301 entries; stride 59 for a 512-entry sample
+    n = sum(sizes)
+
+    def split(flat):
+        return np.split(flat, np.cumsum(sizes)[:-1])
+
+    normal = rng.standard_normal(n).astype(np.float32)
+    hidden = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    hidden[::59] = rng.standard_normal(hidden[::59].size).astype(np.float32)  # unsampled
+    sparse = np.zeros(n, np.float32)
+    sparse[rng.choice(n, 100, replace=False)] = rng.standard_normal(100)
+    cases = [
+        ("normal", split(normal), n // 100),
+        ("heavy-tailed", split(rng.standard_cauchy(n).astype(np.float32)), n // 100),
+        ("unsampled", split(hidden), n // 100),
+        ("three entries", split(normal), 3),
+        ("every entry", split(normal), n),
+        ("integers", split(rng.integers(-4, 5, n).astype(np.float32)), n // 100),
+        ("zeros", split(sparse), n // 100),
+        ("bfloat16", split(normal.astype(jnp.bfloat16)), n // 100),
+    ]
+    return [pytest.param(leaves, k, id=name) for name, leaves, k in cases]
+
+
+@pytest.mark.parametrize("leaves, k", _joint_cases())
+def test_joint_top_k_against_numpy(leaves, k, monkeypatch):
+    """compressors.sparse.joint_top_k against numpy's stable order of the magnitudes (ties
+    to the lower position) over the concatenated leaves: the same values at the same
+    indices, whichever way its threshold search ends."""
+    monkeypatch.setattr(C.sparse, "JOINT_SAMPLE", 512)
+    flat = np.concatenate(leaves).astype(np.float32)
+    order = np.lexsort((np.arange(flat.size), -np.abs(flat)))
+    expected = np.sort(order[:k])
+    values, indices = jax.jit(C.sparse.joint_top_k, static_argnums=1)(
+        [jnp.asarray(leaf) for leaf in leaves], k
+    )
+    np.testing.assert_array_equal(np.asarray(indices), expected)
+    np.testing.assert_array_equal(np.asarray(values, np.float32), flat[expected])
+
+
 @pytest.mark.parametrize("values_kind", ["tied", "continuous"])
 @pytest.mark.parametrize("block", [None, 64])
 def test_joint_topk_equals_topk_of_the_concatenation(values_kind, block, monkeypatch):

@@ -521,7 +521,7 @@ class StepCompiler:
         With whole-model Top-k (``compression.selection_scope="global"``) two exchanges'
         peaks are not compared at all (uncertainty ``inf``): every member of a shared or
         2-D store is compensated into a buffer of its own that lives until the one joint
-        selection, so a store's smaller residual can come with a higher peak (w+2d 1684.5
+        selection, so a store's smaller residual can come with a higher peak (w+2d 1684.6
         MiB against EF's 1646.6 on GPT-2 medium width,
         ``benchmarks/results/peak_memory_global``), and that excess depends on what else
         is alive at the exchange, so it does not carry from one model program to another.

@@ -343,26 +343,49 @@ def compact_indices(mask: jax.Array, capacity: int, fill: int) -> jax.Array:
 JOINT_BLOCK = 1 << 16
 """Entries of a leaf that :func:`joint_top_k` compacts at once."""
 
+JOINT_SAMPLE = 1 << 14
+"""Entries, evenly spaced over the leaves, whose magnitudes bracket :func:`joint_top_k`'s
+threshold before any count over every leaf."""
+
+JOINT_MARGIN = 4.0
+"""Binomial standard deviations between the sampled ranks that bracket the threshold and
+the rank expected of it (:func:`joint_top_k`)."""
+
 
 def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
     """The ``k`` entries of largest magnitude among all entries of ``xs`` (one dtype), as
     ``(values, indices)`` with int32 indices into the leaves' flat concatenation, in
     position order; ties go to the lower position, as ``lax.top_k``'s do.
 
-    No sort and no concatenation: non-negative floats order as their bit patterns, so the
-    ``k``-th largest magnitude ``T`` is found by bisection on those integers, each step one
-    count of ``|x| >= t`` over every leaf (written ``x >= t or x <= -t``, so that no
+    No sort of the leaves and no concatenation. Non-negative floats order as their bit
+    patterns, so a threshold is searched for on those integers, each probe ``t`` one count
+    ``C(t) = #{|x| >= t}`` over every leaf (written ``x >= t or x <= -t``, so that no
     ``|x|`` is formed once outside the loop: a loop-invariant temporary as large as every
-    leaf). Then every leaf is compacted into the payload block by block
-    (:data:`JOINT_BLOCK` entries at a time), in position order, taking the entries above
-    ``T`` and, of those equal to it, the first ``k - #{|x| > T}``.
+    leaf). The search ends at a ``t`` with ``C(t) = k`` (the entries at or above it are
+    the Top-k) or, where ties at the ``k``-th largest magnitude ``T`` leave no such ``t``,
+    at ``T`` itself. It starts from a bracket read off a sample (:data:`JOINT_SAMPLE`
+    entries, evenly spaced): the sampled magnitudes :data:`JOINT_MARGIN` binomial standard
+    deviations below and above the rank expected of ``T``, each checked by a count (where
+    a count refutes one, the bracket keeps what the count proves). Inside it, regula falsi
+    on ``log C - log k`` (a tail's count falls about exponentially in the bits) with
+    Illinois's rule (an end kept twice in a row counts half) aims at ``C = k``; after two
+    probes that did not halve the bracket, one bisects it. After the sample's two, that
+    is 5-10 probes on 4.8 M normal, Student-t and log-normal entries at densities 1 % and
+    0.1 % (bisection alone: 31 for float32), and never more than three times bisection's.
+    Then every leaf is compacted into the payload block by block (:data:`JOINT_BLOCK`
+    entries at a time), in position order, taking the entries above the threshold and, of
+    those equal to ``T``, the first ``k - #{|x| > T}``.
     """
     n_total = sum(x.size for x in xs)
     if not 0 < k <= n_total or n_total >= 2**31:
         raise ValueError(f"joint_top_k takes 0 < k <= {n_total} < 2**31 entries, got k={k}.")
     flats = [x.ravel() for x in xs]
     dtype = flats[0].dtype
-    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(dtype).itemsize]
+    width = jnp.dtype(dtype).itemsize
+    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[width]
+    wide = jnp.int64 if width == 8 else jnp.int32  # the search's arithmetic
+    real = jnp.float64 if width == 8 else jnp.float32  # its interpolation
+    top = int(jnp.iinfo(itype).max)  # the largest non-negative bit pattern
 
     def count_at_least(t: jax.Array, strict: bool = False) -> jax.Array:
         total = jnp.zeros((), jnp.int32)
@@ -372,19 +395,96 @@ def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
         return total
 
     def as_float(bits: jax.Array) -> jax.Array:
-        return lax.bitcast_convert_type(bits, dtype)
+        return lax.bitcast_convert_type(bits.astype(itype), dtype)
 
-    def step(_, bounds):  # the largest bits t with #{|x| >= t} >= k, within [lo, hi]
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
-        ok = count_at_least(as_float(mid)) >= k
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    def as_bits(value: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(value, itype).astype(wide)
 
-    bounds = (jnp.zeros((), itype), jnp.asarray(jnp.iinfo(itype).max, itype))
-    steps = jnp.iinfo(itype).bits - 1  # halves the non-negative range to one value
-    threshold = as_float(lax.fori_loop(0, steps, step, varying_as(bounds, flats[0]))[0])
-    ties_wanted = k - count_at_least(threshold, strict=True)
-    all_ties = count_at_least(threshold) == k  # the usual case: no tie to cut
+    def observe(state, probe, count):
+        """The bracket ``lo <= T <= hi`` with ``C(lo) = c_lo >= k`` and ``C(hi + 1) = c_up
+        < k``, narrowed by one count ``C(probe)``."""
+        lo, hi, c_lo, c_up = state
+        fits = count >= k
+        raise_lo = fits & (probe > lo)
+        lower_hi = ~fits & (probe - 1 < hi)
+        return (
+            jnp.where(raise_lo, probe, lo),
+            jnp.where(lower_hi, probe - 1, hi),
+            jnp.where(raise_lo, count, c_lo),
+            jnp.where(lower_hi, count, c_up),
+        )
+
+    # The bracket: everything (C(0) = n_total assumed, C(past top) = 0), then the sample's.
+    state = (
+        jnp.zeros((), wide),
+        jnp.asarray(top, wide),
+        jnp.asarray(n_total, jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
+    stride = max(1, n_total // JOINT_SAMPLE)
+    sample, start = [], 0
+    for f in flats:  # global positions stride // 2 + j * stride
+        first = (stride // 2 - start) % stride
+        if first < f.size:
+            sample.append(f[first::stride])
+        start += f.size
+    magnitudes = jnp.abs(jnp.concatenate(sample))
+    magnitudes = jnp.sort(jnp.where(jnp.isnan(magnitudes), 0, magnitudes))[::-1]  # NaN: uncounted
+    m = magnitudes.size
+    expected = k * m / n_total  # the sampled entries at or above T, on average
+    spread = JOINT_MARGIN * math.sqrt(expected) + 1
+    ranks = {min(m, math.ceil(expected + spread))}  # a magnitude at or below T
+    if stride > 1 and expected - spread >= 1:
+        ranks.add(math.floor(expected - spread))  # one above it
+    if stride == 1:
+        ranks = {k}  # the sample is every entry: its k-th magnitude is T
+    for rank in sorted(ranks):
+        probe = as_bits(magnitudes[rank - 1])
+        state = observe(state, probe, count_at_least(as_float(probe)))
+    if stride == 1:
+        state = (state[0], state[0], state[2], state[3])  # nothing above T is counted k times
+
+    def searching(carry):
+        (lo, hi, c_lo, _), *_ = carry
+        return (lo < hi) & (c_lo != k)
+
+    def log_over_k(count: jax.Array) -> jax.Array:
+        return jnp.log(jnp.maximum(count, 0.5).astype(real)) - math.log(k)
+
+    def narrow(carry):
+        (lo, hi, c_lo, c_up), (f_lo, f_up), side, stale = carry
+        # Regula falsi on log C - log k against the bits (a tail's count falls about
+        # exponentially in them), aiming at C = k, the gap below the k-th largest
+        # magnitude. Illinois's rule: an end kept twice in a row counts half, so both
+        # ends move. Bisection after two probes that did not halve the bracket.
+        fraction = f_lo / jnp.maximum(f_lo - f_up, 1e-12)
+        offset = jnp.floor(fraction * (hi - lo).astype(real))
+        cap = np.nextafter(np.asarray(float(top), real), 0)  # converts to an integer
+        offset = jnp.clip(offset, 0, cap).astype(wide)
+        guess = hi - jnp.maximum(hi - lo - 1 - offset, 0)  # lo + 1 + offset, at most hi
+        middle = lo + (hi - lo) // 2 + (hi - lo) % 2
+        probe = jnp.where(stale >= 2, middle, guess)
+        count = count_at_least(as_float(probe))
+        narrowed = observe((lo, hi, c_lo, c_up), probe, count)
+        raised = count >= k  # lo moved (else hi did)
+        f_new = log_over_k(count)
+        f_lo = jnp.where(raised, f_new, jnp.where(side < 0, f_lo / 2, f_lo))
+        f_up = jnp.where(raised, jnp.where(side > 0, f_up / 2, f_up), f_new)
+        halved = (narrowed[1] - narrowed[0]) <= (hi - lo) // 2
+        stale = jnp.where(halved | (stale >= 2), 0, stale + 1)
+        return narrowed, (f_lo, f_up), jnp.where(raised, 1, -1), stale
+
+    fs = (log_over_k(state[2]), log_over_k(state[3]))
+    zero = jnp.zeros((), jnp.int32)
+    carry = varying_as((state, fs, zero, zero), flats[0])
+    (lo, _, c_lo, _), *_ = lax.while_loop(searching, narrow, carry)
+    threshold = as_float(lo)
+    all_ties = c_lo == k  # the usual case: no tie to cut (c_lo = C(lo), or n_total at lo = 0)
+    ties_wanted = lax.cond(
+        all_ties,
+        lambda: varying_as(jnp.asarray(k, jnp.int32), flats[0]),
+        lambda: k - count_at_least(threshold, strict=True),
+    )
 
     values = jnp.zeros((k,), dtype)
     indices = jnp.full((k,), n_total, jnp.int32)
