@@ -785,6 +785,29 @@ def test_joint_top_k_against_numpy(leaves, k, monkeypatch):
     np.testing.assert_array_equal(np.asarray(values, np.float32), flat[expected])
 
 
+def test_a_leaf_window_holds_every_entry_of_its_leaf():
+    """compressors.base.leaf_window: of a payload in increasing index order, the window of
+    each leaf (smaller and larger than the payload, first, middle and last, one without
+    entries) scatters exactly what the whole payload's entries in the leaf do."""
+    rng = np.random.default_rng(3)
+    sizes = [50, 400, 3, 40, 120, 9]  # the last: its window moved back to fit
+    bounds = np.cumsum([0, *sizes])
+    chosen = np.sort(rng.choice(bounds[-1], 60, replace=False))
+    chosen = chosen[(chosen < bounds[3]) | (chosen >= bounds[4])]  # leaf 3 gets none
+    k = chosen.size
+    values = rng.standard_normal(k).astype(np.float32)
+    for start, n in zip(bounds[:-1], sizes, strict=True):
+        part, local = jax.jit(C.base.leaf_window, static_argnums=(2, 3))(
+            jnp.asarray(values), jnp.asarray(chosen, jnp.int32), int(start), n
+        )
+        assert part.shape == (min(k, n),)
+        got = jnp.zeros(n).at[local].set(part, mode="drop")
+        inside = (chosen >= start) & (chosen < start + n)
+        expected = np.zeros(n, np.float32)
+        expected[chosen[inside] - start] = values[inside]
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
 @pytest.mark.parametrize("values_kind", ["tied", "continuous"])
 @pytest.mark.parametrize("block", [None, 64])
 def test_joint_topk_equals_topk_of_the_concatenation(values_kind, block, monkeypatch):

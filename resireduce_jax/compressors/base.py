@@ -49,6 +49,7 @@ __all__ = [
     "dense_mean",
     "gathered_mean",
     "indices_within",
+    "leaf_window",
     "ordered",
     "sparse_mean",
     "sparse_means",
@@ -358,6 +359,7 @@ def sparse_means(
     indices: jax.Array,
     likes: Sequence[jax.ShapeDtypeStruct],
     axis_name: str,
+    ascending: bool = False,
 ) -> tuple[jax.Array, ...]:
     """:func:`sparse_mean` of one payload whose int32 indices address the concatenation
     of the flattened ``likes``, as one mean per ``like``.
@@ -366,7 +368,10 @@ def sparse_means(
     after worker, into a buffer of its own from the entries that fall in its range (the
     others go to distinct positions past its end, which are dropped). The sums are
     :func:`sparse_mean`'s of the concatenation, element by element and in the same order,
-    without a buffer the size of all the leaves together.
+    without a buffer the size of all the leaves together. With ``ascending`` (every
+    worker's indices in increasing order, as :func:`~resireduce_jax.compressors.sparse.
+    joint_top_k` sends them) a leaf of ``n`` entries reads only the ``min(k, n)`` of each
+    payload that can be its own (:func:`leaf_window`), not all ``k``.
     """
     gathered = (all_gather(values, axis_name), all_gather(indices, axis_name))
     workers = gathered[1].shape[0]
@@ -380,15 +385,31 @@ def sparse_means(
         zeros, (gathered, *_) = zeros_for((n,), acc_dtype, (gathered, *means[-1:]))
 
         def add_worker(w, acc, start=start, n=n, gathered=gathered):
-            local = indices_within(gathered[1][w], start, n)
-            return acc.at[local].add(
-                gathered[0][w].astype(acc.dtype), mode="drop", unique_indices=True
-            )
+            if ascending:
+                part, local = leaf_window(gathered[0][w], gathered[1][w], start, n)
+            else:
+                part, local = gathered[0][w], indices_within(gathered[1][w], start, n)
+            return acc.at[local].add(part.astype(acc.dtype), mode="drop", unique_indices=True)
 
         total = lax.fori_loop(0, workers, add_worker, zeros)
         means.append((total / workers).astype(like.dtype).reshape(like.shape))
         start += n
     return tuple(means)
+
+
+def leaf_window(
+    values: jax.Array, indices: jax.Array, start: int, n: int
+) -> tuple[jax.Array, jax.Array]:
+    """The part of a payload whose increasing int32 indices address a concatenation that
+    can fall in positions ``start ... start + n - 1``: ``min(k, n)`` consecutive entries
+    from the first index at or past ``start`` (moved back to fit at the end), their
+    indices as :func:`indices_within` maps them (the entries of other leaves dropped)."""
+    size = min(indices.shape[-1], n)
+    first = jnp.searchsorted(indices, jnp.asarray(start, indices.dtype), side="left")
+    first = jnp.minimum(first, indices.shape[-1] - size).astype(jnp.int32)
+    part = lax.dynamic_slice_in_dim(values, first, size)
+    local = indices_within(lax.dynamic_slice_in_dim(indices, first, size), start, n)
+    return part, local
 
 
 def indices_within(indices: jax.Array, start: int, n: int) -> jax.Array:

@@ -35,7 +35,7 @@ from resireduce_jax.compressors.base import (
     Reduced,
     check_int,
     dense_mean,
-    indices_within,
+    leaf_window,
     sparse_mean,
     sparse_means,
     varying_as,
@@ -226,14 +226,14 @@ class TopK(_SparseBase):
         k = self.k(sum(x.size for x in xs))
         values, indices = joint_top_k(xs, k)
         likes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
-        means = sparse_means(values, indices, likes, axis_name)
+        means = sparse_means(values, indices, likes, axis_name, ascending=True)
         # Residuals after the payload was read, as in :meth:`reduce`.
         xs, values, indices = lax.optimization_barrier((xs, values, indices))
         residuals = []
         start = 0
         for x in xs:
-            local = indices_within(indices, start, x.size)
-            residuals.append(self.residual(x, SparsePayload(values, local), skip))
+            part, local = leaf_window(values, indices, start, x.size)
+            residuals.append(self.residual(x, SparsePayload(part, local), skip))
             start += x.size
         return means, tuple(residuals)
 
