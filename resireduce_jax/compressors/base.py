@@ -359,19 +359,17 @@ def sparse_means(
     indices: jax.Array,
     likes: Sequence[jax.ShapeDtypeStruct],
     axis_name: str,
-    ascending: bool = False,
 ) -> tuple[jax.Array, ...]:
     """:func:`sparse_mean` of one payload whose int32 indices address the concatenation
-    of the flattened ``likes``, as one mean per ``like``.
+    of the flattened ``likes`` in increasing order (as
+    :func:`~resireduce_jax.compressors.sparse.joint_top_k` sends them), as one mean per
+    ``like``.
 
     One all-gather of values and indices; then each leaf's mean is scatter-added, worker
-    after worker, into a buffer of its own from the entries that fall in its range (the
-    others go to distinct positions past its end, which are dropped). The sums are
-    :func:`sparse_mean`'s of the concatenation, element by element and in the same order,
-    without a buffer the size of all the leaves together. With ``ascending`` (every
-    worker's indices in increasing order, as :func:`~resireduce_jax.compressors.sparse.
-    joint_top_k` sends them) a leaf of ``n`` entries reads only the ``min(k, n)`` of each
-    payload that can be its own (:func:`leaf_window`), not all ``k``.
+    after worker, into a buffer of its own from the ``min(k, n)`` entries of each payload
+    that can fall in its ``n`` positions (:func:`leaf_window`; those of other leaves are
+    dropped). The sums are :func:`sparse_mean`'s of the concatenation, element by element
+    and in the same order, without a buffer the size of all the leaves together.
     """
     gathered = (all_gather(values, axis_name), all_gather(indices, axis_name))
     workers = gathered[1].shape[0]
@@ -385,10 +383,7 @@ def sparse_means(
         zeros, (gathered, *_) = zeros_for((n,), acc_dtype, (gathered, *means[-1:]))
 
         def add_worker(w, acc, start=start, n=n, gathered=gathered):
-            if ascending:
-                part, local = leaf_window(gathered[0][w], gathered[1][w], start, n)
-            else:
-                part, local = gathered[0][w], indices_within(gathered[1][w], start, n)
+            part, local = leaf_window(gathered[0][w], gathered[1][w], start, n)
             return acc.at[local].add(part.astype(acc.dtype), mode="drop", unique_indices=True)
 
         total = lax.fori_loop(0, workers, add_worker, zeros)

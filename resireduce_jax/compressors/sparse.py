@@ -226,7 +226,7 @@ class TopK(_SparseBase):
         k = self.k(sum(x.size for x in xs))
         values, indices = joint_top_k(xs, k)
         likes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
-        means = sparse_means(values, indices, likes, axis_name, ascending=True)
+        means = sparse_means(values, indices, likes, axis_name)
         # Residuals after the payload was read, as in :meth:`reduce`.
         xs, values, indices = lax.optimization_barrier((xs, values, indices))
         residuals = []
@@ -430,19 +430,20 @@ def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
         start += f.size
     magnitudes = jnp.abs(jnp.concatenate(sample))
     magnitudes = jnp.sort(jnp.where(jnp.isnan(magnitudes), 0, magnitudes))[::-1]  # NaN: uncounted
-    m = magnitudes.size
-    expected = k * m / n_total  # the sampled entries at or above T, on average
-    spread = JOINT_MARGIN * math.sqrt(expected) + 1
-    ranks = {min(m, math.ceil(expected + spread))}  # a magnitude at or below T
-    if stride > 1 and expected - spread >= 1:
-        ranks.add(math.floor(expected - spread))  # one above it
-    if stride == 1:
-        ranks = {k}  # the sample is every entry: its k-th magnitude is T
-    for rank in sorted(ranks):
-        probe = as_bits(magnitudes[rank - 1])
-        state = observe(state, probe, count_at_least(as_float(probe)))
-    if stride == 1:
-        state = (state[0], state[0], state[2], state[3])  # nothing above T is counted k times
+    if stride == 1:  # the sample is every entry: its k-th magnitude is T
+        probe = as_bits(magnitudes[k - 1])
+        lo, _, c_lo, c_up = observe(state, probe, count_at_least(as_float(probe)))
+        state = (lo, lo, c_lo, c_up)  # nothing above T is counted k times
+    else:
+        m = magnitudes.size
+        expected = k * m / n_total  # the sampled entries at or above T, on average
+        spread = JOINT_MARGIN * math.sqrt(expected) + 1
+        ranks = {min(m, math.ceil(expected + spread))}  # a magnitude at or below T
+        if expected - spread >= 1:
+            ranks.add(math.floor(expected - spread))  # one above it
+        for rank in sorted(ranks):
+            probe = as_bits(magnitudes[rank - 1])
+            state = observe(state, probe, count_at_least(as_float(probe)))
 
     def searching(carry):
         (lo, hi, c_lo, _), *_ = carry
@@ -450,6 +451,8 @@ def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
 
     def log_over_k(count: jax.Array) -> jax.Array:
         return jnp.log(jnp.maximum(count, 0.5).astype(real)) - math.log(k)
+
+    cap = np.nextafter(np.asarray(float(top), real), 0)  # the largest offset as an integer
 
     def narrow(carry):
         (lo, hi, c_lo, c_up), (f_lo, f_up), side, stale = carry
@@ -459,7 +462,6 @@ def joint_top_k(xs: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
         # ends move. Bisection after two probes that did not halve the bracket.
         fraction = f_lo / jnp.maximum(f_lo - f_up, 1e-12)
         offset = jnp.floor(fraction * (hi - lo).astype(real))
-        cap = np.nextafter(np.asarray(float(top), real), 0)  # converts to an integer
         offset = jnp.clip(offset, 0, cap).astype(wide)
         guess = hi - jnp.maximum(hi - lo - 1 - offset, 0)  # lo + 1 + offset, at most hi
         middle = lo + (hi - lo) // 2 + (hi - lo) % 2
