@@ -124,6 +124,14 @@ def warmup_steps(exchange: ExchangeTransformation) -> int | None:
     return found[1].start if len(found) > 1 else None
 
 
+def _select(warm: bool | jax.Array, in_warmup: Any, compressed: Any) -> jax.Array:
+    """``jnp.where(warm, in_warmup(), compressed())``; a Python ``warm`` (a program of one
+    phase) traces only the branch it takes."""
+    if isinstance(warm, bool):
+        return in_warmup() if warm else compressed()
+    return jnp.where(warm, in_warmup(), compressed())
+
+
 @dataclasses.dataclass(frozen=True)
 class _CompressedMomentum:
     """One compressed-momentum step; ``adam``: divided by the frozen second moment (else
@@ -179,14 +187,17 @@ class _CompressedMomentum:
         )
         b1, b2 = self.b1, self.b2
         count_inc = optax.safe_increment(state.count)
+        # ``warm`` is a Python bool where the program is of one phase (only that phase's
+        # arithmetic is traced), else a traced bool that switches on the count.
+        warm: bool | jax.Array
         if self.warmup is None:
-            warm = jnp.ones([], bool)
+            warm = True
             frozen_at = count_inc
         else:
             if density_phase is None:  # the exchange switches phases on the count, as here
                 warm = state.count < self.warmup
             else:  # one program per phase: the leading dense phase is phase 0
-                warm = jnp.asarray(self.warmup > 0 and density_phase == 0)
+                warm = self.warmup > 0 and density_phase == 0
             frozen_at = jnp.minimum(count_inc, max(self.warmup, 1))
         lr = value_at(self.learning_rate, state.count)
         decay = value_at(self.weight_decay, state.count)
@@ -209,18 +220,21 @@ class _CompressedMomentum:
             """sqrt(v_hat) + eps; after the warm-up v is frozen, floored at ``nu_floor``
             of its leaf's mean."""
             if self.nu_floor:
-                floored = jnp.maximum(nu, self.nu_floor * jnp.mean(nu))
-                nu = jnp.where(warm, nu, floored)
+                nu = _select(
+                    warm, lambda: nu, lambda: jnp.maximum(nu, self.nu_floor * jnp.mean(nu))
+                )
             return jnp.sqrt(nu / bias2.astype(nu.dtype)) + self.eps
 
         def to_send(g, mu, nu):
             if self.warmup is None:
                 return g
-            g_local = g if self.max_grad_norm is None else g * scalar_as(local, g)
-            momentum = self._momentum(g_local, mu)
-            if scaled:
-                momentum = momentum / denominator(nu).astype(g.dtype)
-            return jnp.where(warm, g, momentum)
+
+            def momentum():
+                g_local = g if self.max_grad_norm is None else g * scalar_as(local, g)
+                m = self._momentum(g_local, mu)
+                return m / denominator(nu).astype(g.dtype) if scaled else m
+
+            return _select(warm, lambda: g, momentum)
 
         nus = state.nu if self.adam else jax.tree.map(lambda _: None, state.mu)
         sent = jax.tree.map(to_send, updates, state.mu, nus)
@@ -239,14 +253,21 @@ class _CompressedMomentum:
             g = mean
             if self.max_grad_norm is not None:
                 g = mean * scalar_as(mean_factor, mean)
-            momentum = mean * denominator(nu).astype(mean.dtype) if scaled else mean
-            mu_new = jnp.where(warm, self._momentum(g, mu), momentum.astype(mu.dtype))
+
+            def momentum():
+                m = mean * denominator(nu).astype(mean.dtype) if scaled else mean
+                return m.astype(mu.dtype)
+
+            mu_new = _select(warm, lambda: self._momentum(g, mu), momentum)
             if self.adam:
-                nu_new = jnp.where(warm, (1 - b2) * (g * g) + b2 * nu, nu)
+                nu_new = _select(warm, lambda: (1 - b2) * (g * g) + b2 * nu, lambda: nu)
                 bias1 = (1 - b1**count_inc).astype(mu_new.dtype)
-                u = (mu_new / bias1) / denominator(nu_new)
-                if scaled:  # compressed, the mean is the direction m / d already
-                    u = jnp.where(warm, u, mean / bias1)
+
+                def adam_step():
+                    return (mu_new / bias1) / denominator(nu_new)
+
+                # Compressed, the mean is the direction m / d already.
+                u = _select(warm, adam_step, lambda: mean / bias1) if scaled else adam_step()
                 if decayed:
                     u = u + decay * p
             else:

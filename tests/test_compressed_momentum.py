@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
 from tests import transform_harness as th
@@ -290,3 +292,38 @@ def test_compressed_phase_holds_no_denominator_beside_the_exchange():
     adamw = optax.adamw(1e-3, b1=HYPER["b1"], b2=HYPER["b2"], eps=HYPER["eps"])
     ef = temp(optax.chain(rr.error_feedback(rr.compressors.topk(0.01)), adamw))
     assert cm <= ef + vocab * width * 4 // 4, (cm, ef)
+
+
+def _count(jaxpr, primitive: str) -> int:
+    """Equations of ``primitive`` in ``jaxpr`` and every jaxpr nested in it."""
+    return sum(
+        (eqn.primitive.name == primitive)
+        + sum(_count(sub, primitive) for sub in jex_core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+def test_a_program_of_one_phase_computes_that_phase_alone():
+    """With ``density_phase`` (the training program's one program per phase) the warm-up
+    flag is known when tracing, so only the phase's own arithmetic is traced: per leaf the
+    warm-up takes one sqrt(v_hat) (Adam's step), the compressed phase two (the message is
+    divided before the exchange, the momentum multiplied after it), the switching program
+    both phases' three."""
+    params = _params()
+    exchange = rr.error_feedback(
+        rr.compressors.topk(rr.compressors.dense_warmup(2, 0.05)), min_size=MIN_SIZE
+    )
+    tx = rr.compressed_momentum_adam(1e-2, exchange, **HYPER)
+    mesh = th.mesh(W)
+    specs, state = rr.parallel.abstract_state(tx, params, mesh, th.AXIS)
+
+    def roots(density_phase):
+        def update(grads, state, params):
+            state = jax.tree.map(lambda x, spec: x if spec == P() else x[0], state, specs)
+            grads = jax.tree.map(lambda g: jax.lax.pcast(g, th.AXIS, to="varying"), grads)
+            return tx.update(grads, state, params, density_phase=density_phase)[0]
+
+        fn = jax.shard_map(update, mesh=mesh, in_specs=(P(), specs, P()), out_specs=P())
+        return _count(jax.make_jaxpr(fn)(params, state, params).jaxpr, "sqrt")
+
+    assert [roots(phase) for phase in (0, 1, None)] == [len(SHAPES) * n for n in (1, 2, 3)]
