@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -124,7 +125,11 @@ def warmup_steps(exchange: ExchangeTransformation) -> int | None:
     return found[1].start if len(found) > 1 else None
 
 
-def _select(warm: bool | jax.Array, in_warmup: Any, compressed: Any) -> jax.Array:
+def _select(
+    warm: bool | jax.Array,
+    in_warmup: Callable[[], jax.Array],
+    compressed: Callable[[], jax.Array],
+) -> jax.Array:
     """``jnp.where(warm, in_warmup(), compressed())``; a Python ``warm`` (a program of one
     phase) traces only the branch it takes."""
     if isinstance(warm, bool):
