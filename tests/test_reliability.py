@@ -5,6 +5,7 @@ and a change of the number of workers. (Several processes: tests/test_multiproce
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -81,6 +82,16 @@ def test_final_state_skips_uncommitted_steps(reference, tmp_path):
     os.remove(os.path.join(ckpt, "4", checkpointing.COMMIT_MARKER))
     with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
         train.final_state(workdir)
+
+
+@pytest.mark.xdist_group("reliability_reference")  # one worker runs `reference` once
+def test_final_state_reads_a_checkpoint_without_warnings(reference, caplog):
+    """Every item of a checkpoint (the state and its JSON meta) has its handler, so reading
+    one, as fine-tuning's ``init_from`` does, logs no orbax warning about the meta item."""
+    with caplog.at_level(logging.WARNING):
+        state = train.final_state(reference)
+    assert set(state) == {"params", "opt_state", "model_state"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 @pytest.mark.xdist_group("reliability_reference")  # one worker runs `reference` once

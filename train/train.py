@@ -782,8 +782,14 @@ def final_state(workdir: str, step: int | None = None) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    # Every item a checkpoint holds has its handler (orbax warns of one without), though
+    # only the state is read.
     manager = ocp.CheckpointManager(
-        directory, item_handlers={"state": ocp.StandardCheckpointHandler()}
+        directory,
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
     )
     try:
         if step is None:
