@@ -82,6 +82,21 @@ def state_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+def handler_registry(
+    state: ocp.handlers.CheckpointHandler, save: type, restore: type
+) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The handlers of every item a checkpoint holds: the train state (``state``, written
+    and read with the argument types ``save`` and ``restore``) and its JSON ``meta``.
+    A manager without a handler for an item it finds logs a warning at every read."""
+    handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handlers.add("state", save, state)
+    handlers.add("state", restore, state)
+    meta = ocp.JsonCheckpointHandler()
+    handlers.add("meta", ocp.args.JsonSave, meta)
+    handlers.add("meta", ocp.args.JsonRestore, meta)
+    return handlers
+
+
 class WorkerCountMismatch(ValueError):
     """A checkpoint written with a different number of workers (or devices per node), and
     policy ``"error"``."""
@@ -226,17 +241,12 @@ class Checkpointer:
             _set_aside_uncommitted(self.directory)
         if jax.process_count() > 1:  # the others list the directory after the clean-up
             multihost_utils.sync_global_devices("resireduce_checkpoints_listed")
-        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state = state_handler()
-        handlers.add("state", ocp.args.PyTreeSave, state)
-        handlers.add("state", ocp.args.PyTreeRestore, state)
-        meta = ocp.JsonCheckpointHandler()
-        handlers.add("meta", ocp.args.JsonSave, meta)
-        handlers.add("meta", ocp.args.JsonRestore, meta)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            handler_registry=handlers,
+            handler_registry=handler_registry(
+                state_handler(), ocp.args.PyTreeSave, ocp.args.PyTreeRestore
+            ),
         )
 
     def latest_step(self) -> int | None:

@@ -782,15 +782,10 @@ def final_state(workdir: str, step: int | None = None) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    # Every item a checkpoint holds has its handler (orbax warns of one without), though
-    # only the state is read.
-    manager = ocp.CheckpointManager(
-        directory,
-        item_handlers={
-            "state": ocp.StandardCheckpointHandler(),
-            "meta": ocp.JsonCheckpointHandler(),
-        },
+    registry = checkpointing.handler_registry(
+        ocp.StandardCheckpointHandler(), ocp.args.StandardSave, ocp.args.StandardRestore
     )
+    manager = ocp.CheckpointManager(directory, handler_registry=registry)
     try:
         if step is None:
             step = checkpointing.latest_complete_step(directory, manager.all_steps())
