@@ -37,8 +37,11 @@ so ResiReduce's shared groups, 2-D stores, bfloat16 residuals and the hierarchic
 layout all apply to the momentum residual (1-bit Adam and 0/1 Adam keep one full error
 buffer per worker). Its compressor decides the warm-up: it must start with a dense phase
 (:func:`~resireduce_jax.compressors.dense_warmup`,
-:func:`~resireduce_jax.compressors.schedule.with_dense_start`), whose end freezes
-:math:`v`. Beyond the paper's 1-bit compressor, any compressor works (Top-k here).
+:func:`~resireduce_jax.compressors.schedule.with_dense_start`; sent in 16 bits by
+:func:`~resireduce_jax.compressors.schedule.with_dense_dtype`, the mean then that of a
+bfloat16 all-reduce), whose end freezes :math:`v`. Frozen too early, while the gradients
+are still in their initial transient, :math:`v` stays too large for the rest of the run;
+a 16-bit warm-up twice as long costs the bytes of the float32 one. Beyond the paper's 1-bit compressor, any compressor works (Top-k here).
 
 The transform replaces both the exchange and the optimizer of a chain: it is the first
 (and usually only) transform, under ``jax.shard_map`` or ``jax.pmap`` like the exchanges.
@@ -60,7 +63,7 @@ import optax
 from resireduce_jax import nonfinite
 from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import axis_size
-from resireduce_jax.compressors.dense import NoCompression
+from resireduce_jax.compressors.dense import is_dense
 from resireduce_jax.exchange import ExchangePlan, ExchangeState, ExchangeTransformation
 from resireduce_jax.optimizers._common import (
     MaskOrFn,
@@ -118,9 +121,10 @@ def _check_exchange(exchange: Any) -> None:
 
 def warmup_steps(exchange: ExchangeTransformation) -> int | None:
     """The steps of ``exchange``'s leading dense phase (``None``: dense throughout; ``0``:
-    it starts compressed)."""
+    it starts compressed). Dense: :func:`~resireduce_jax.compressors.dense.is_dense`,
+    float32 or a 16-bit cast that keeps no residual."""
     found = schedule.phases(exchange._core.compressor)
-    if not isinstance(found[0].compressor, NoCompression):
+    if not is_dense(found[0].compressor):
         return 0
     return found[1].start if len(found) > 1 else None
 

@@ -97,7 +97,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
     ordered,
 )
-from resireduce_jax.compressors.dense import NoCompression
+from resireduce_jax.compressors.dense import NoCompression, is_dense
 from resireduce_jax.compressors.sparse import TopK
 from resireduce_jax.tree_paths import validate_float_leaves
 
@@ -759,7 +759,8 @@ class _Exchange:
                 )
 
     def _zero_stores(self, density_phase: int | None) -> bool:
-        """Whether this program is the leading phase of a schedule and that phase is dense.
+        """Whether this program is the leading phase of a schedule and that phase is dense
+        (:func:`~resireduce_jax.compressors.dense.is_dense`: float32 or a 16-bit cast).
 
         Every store starts at zero (``init``) and a dense phase sends all of ``G + R``,
         leaving a residual of exactly zero; shared and intra-layer stores also keep their
@@ -770,11 +771,7 @@ class _Exchange:
         otherwise set the phase's peak above plain EF's. A leaf's own residual (kind
         ``"leaf"``) takes ``G + R`` on a skipped step, so it goes the general way.
         """
-        return (
-            density_phase == 0
-            and len(self.phases) > 1
-            and isinstance(self.phases[0].compressor, NoCompression)
-        )
+        return density_phase == 0 and len(self.phases) > 1 and is_dense(self.phases[0].compressor)
 
     @staticmethod
     def _update_shared(store, stored, arrays, send, partial_sums=()):

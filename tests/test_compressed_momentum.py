@@ -327,3 +327,32 @@ def test_a_program_of_one_phase_computes_that_phase_alone():
         return _count(jax.make_jaxpr(fn)(params, state, params).jaxpr, "sqrt")
 
     assert [roots(phase) for phase in (0, 1, None)] == [len(SHAPES) * n for n in (1, 2, 3)]
+
+
+def test_a_16_bit_warmup_is_adamw_on_the_16_bit_mean_and_then_compresses():
+    """A warm-up sent in bfloat16 (``with_dense_dtype``) is still the warm-up: AdamW on the
+    mean that a bfloat16 all-reduce gives (``compressed_mean`` of the same cast, a separate
+    code path), then the compressed phase."""
+    grads = th.random_grads(np.random.default_rng(4), SHAPES, W, steps=3)
+    params = _params()
+    schedule = rr.compressors.schedule
+    compressor = schedule.with_dense_dtype(
+        rr.compressors.topk(rr.compressors.dense_warmup(2, 0.05)), "bfloat16"
+    )
+    exchange = rr.error_feedback(compressor, min_size=MIN_SIZE)
+    assert rr.compressed_momentum.warmup_steps(exchange) == 2
+    tx = rr.compressed_momentum_adam(3e-3, exchange, max_grad_norm=1.0, **HYPER)
+    outputs, state = th.run_shard_map(tx, params, grads)
+    reference = optax.chain(
+        rr.compressed_mean(rr.compressors.Cast("bfloat16", feedback=False), min_size=MIN_SIZE),
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(3e-3, b1=HYPER["b1"], b2=HYPER["b2"], eps=HYPER["eps"], weight_decay=0.01),
+    )
+    expected, _ = th.run_shard_map(reference, params, grads[:2])
+    for t in range(2):
+        for k in COMPRESSED:
+            np.testing.assert_allclose(
+                outputs[t][k][0], expected[t][k][0], rtol=2e-5, atol=1e-8, err_msg=(t, k)
+            )
+    for k in COMPRESSED:  # compressing from step 2: each worker now holds a momentum error
+        assert np.all(np.any(state.exchange.residuals[k] != 0, axis=(1, 2))), k

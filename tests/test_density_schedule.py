@@ -487,3 +487,61 @@ def test_a_dense_warmup_program_costs_w2d_no_more_than_ef_at_the_compiled_peak()
     w2d = dense_phase_peak(_w2d(rr.compressors.topk(sched)))
     assert w2d.argument < ef.argument  # the smaller residual state
     assert w2d.peak <= ef.peak, (w2d, ef)
+
+
+def test_a_16_bit_dense_phase_sends_half_the_bytes_rounded_and_keeps_no_residual():
+    """``with_dense_dtype``: the warm-up all-reduces bfloat16 (half the float32 bytes, in the
+    compiled program too), its means are bfloat16 values, and it leaves every store zero
+    (its rounding is dropped, as a 16-bit all-reduce does); Top-k then runs as before."""
+    compressor = schedule.with_dense_dtype(
+        rr.compressors.topk(rr.compressors.dense_warmup(3, 0.05)), "bfloat16"
+    )
+    found = schedule.phases(compressor)
+    assert [p.start for p in found] == [0, 3]
+    assert found[0].compressor == rr.compressors.Cast("bfloat16", feedback=False)
+    assert rr.compressors.is_dense(found[0].compressor)
+    assert not rr.compressors.is_dense(rr.compressors.bf16())  # feeds its rounding back
+    assert schedule.bytes_sent(compressor, (40, 60), np.float32, 10) == (3 * 2400 * 2 + 7 * 120 * 8)
+    # Nothing dense to cast: unchanged; dense throughout: one cast.
+    assert schedule.with_dense_dtype(rr.compressors.topk(0.01), "bfloat16") == (
+        rr.compressors.topk(0.01)
+    )
+    assert schedule.with_dense_dtype(rr.compressors.none(), "float16") == (
+        rr.compressors.Cast("float16", feedback=False)
+    )
+
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    compiled = _compiled_exchange(rr.error_feedback(compressor, min_size=MIN_SIZE), params)
+    conditionals = hlo.branch_collectives(compiled)
+    moved = sum(c.bytes_per_worker for cond in conditionals for c in cond[0])
+    wire = sum(2 * int(np.prod(SHAPES[k])) for k in COMPRESSED)
+    if jax.default_backend() == "cpu":
+        wire *= 2  # XLA:CPU runs a bfloat16 all-reduce in float32 (test_compressors)
+    assert moved == wire
+
+    grads = th.random_grads(np.random.default_rng(8), SHAPES, W, steps=4)
+    tx = rr.resireduce(
+        compressor,
+        min_size=MIN_SIZE,
+        grouping=rr.grouping.auto(),
+        inter="weighted",
+        intra="2d",
+        intra_layers="w1",
+    )
+    outputs, warm = th.run_shard_map(tx, params, grads[:3])
+    for t in range(3):
+        for k in COMPRESSED:
+            out = np.asarray(outputs[t][k][0])
+            exact = grads[t][k].mean(0)
+            np.testing.assert_allclose(out, exact, rtol=1e-2, atol=1e-2)  # bf16: 8 bits
+            rounded = out.astype(jnp.bfloat16).astype(np.float32)
+            np.testing.assert_array_equal(out, rounded)  # a bfloat16 mean
+            assert np.any(out != exact)
+
+    def stores(state):
+        leaves = jax.tree.leaves(state.residuals)
+        return [x for x in leaves if np.issubdtype(x.dtype, np.floating)]
+
+    assert not any(np.any(x) for x in stores(warm))
+    _, compressing = th.run_shard_map(tx, params, grads)
+    assert all(np.any(x) for x in stores(compressing))

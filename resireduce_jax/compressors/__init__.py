@@ -17,7 +17,7 @@ from typing import Any
 
 from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import Compressor, Reduced
-from resireduce_jax.compressors.dense import Cast, NoCompression
+from resireduce_jax.compressors.dense import Cast, NoCompression, is_dense
 from resireduce_jax.compressors.lowrank import LowRankPayload, PowerSGD
 from resireduce_jax.compressors.quantize import (
     QSGD,
@@ -208,6 +208,7 @@ __all__ = [
     "fast_topk",
     "fp16",
     "get",
+    "is_dense",
     "natural",
     "none",
     "onebit",

@@ -2,6 +2,8 @@
 
 ``none`` is the uncompressed baseline (a plain all-reduce); ``fp16`` / ``bf16`` halve the
 bytes of a float32 gradient by casting before the all-reduce (GRACE's FP16 compressor).
+:func:`is_dense` tells the exchanges and the compressed-momentum optimizers which phases
+of a schedule are dense: every coordinate sent, no residual kept.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from resireduce_jax.compressors.base import Compressor, dense_mean
 
-__all__ = ["Cast", "NoCompression"]
+__all__ = ["Cast", "NoCompression", "is_dense"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,14 @@ class Cast(Compressor):
 
     Attributes:
       dtype: ``"float16"`` or ``"bfloat16"``.
+      feedback: keep the rounding error as the residual (default). ``False``: drop it,
+        as a 16-bit all-reduce without error feedback does; the residual is then zero
+        and the cast is a dense phase (:func:`is_dense`), e.g. the 16-bit warm-up of
+        :func:`~resireduce_jax.compressors.schedule.with_dense_dtype`.
     """
 
     dtype: str = "bfloat16"
+    feedback: bool = True
     name: ClassVar[str] = "cast"
     biased: ClassVar[bool] = True
 
@@ -75,5 +82,22 @@ class Cast(Compressor):
     def aggregate(self, payload, like, axis_name):
         return dense_mean(payload, axis_name, like.dtype)
 
+    def residual(self, x, payload, skip=None):
+        if self.feedback:
+            return super().residual(x, payload, skip)
+        if skip is None:
+            return jnp.zeros_like(x)
+        return jnp.where(skip, x, jnp.zeros((), x.dtype))
+
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return math.prod(shape) * jnp.dtype(self.dtype).itemsize
+
+
+def is_dense(compressor: Any) -> bool:
+    """Whether ``compressor`` sends every coordinate and keeps no residual:
+    :class:`NoCompression`, or a :class:`Cast` without feedback. A leading dense phase
+    leaves every residual store at zero (the exchanges rely on it), and its steps are the
+    warm-up of the compressed-momentum optimizers."""
+    return isinstance(compressor, NoCompression) or (
+        isinstance(compressor, Cast) and not compressor.feedback
+    )

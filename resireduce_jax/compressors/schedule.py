@@ -48,6 +48,7 @@ __all__ = [
     "piecewise",
     "static_phase",
     "static_phase_index",
+    "with_dense_dtype",
     "with_dense_start",
 ]
 
@@ -239,6 +240,29 @@ def with_dense_start(steps: int, compressor: Any) -> Phased:
 
     later = tuple((steps + p.start, p.compressor) for p in phases(compressor))
     return Phased(((0, NoCompression()), *later) if steps else later)
+
+
+def with_dense_dtype(compressor: Any, dtype: str) -> Any:
+    """``compressor`` with each of its uncompressed phases sent in a 16-bit ``dtype``.
+
+    Every :class:`~resireduce_jax.compressors.NoCompression` phase (a dense warm-up)
+    becomes a :class:`~resireduce_jax.compressors.Cast` to ``dtype`` (``"bfloat16"`` or
+    ``"float16"``) that drops its rounding error, as a 16-bit all-reduce does: still a
+    dense phase (:func:`~resireduce_jax.compressors.dense.is_dense`), every coordinate
+    sent, no residual kept, at half a float32 phase's bytes. A longer warm-up then fits the
+    same byte budget. Other phases are unchanged; a compressor without an uncompressed
+    phase is returned as it is.
+    """
+    from resireduce_jax.compressors.dense import Cast, NoCompression
+
+    cast = Cast(dtype, feedback=False)
+    found = phases(compressor)
+    if not any(isinstance(p.compressor, NoCompression) for p in found):
+        return compressor
+    steps = tuple(
+        (p.start, cast if isinstance(p.compressor, NoCompression) else p.compressor) for p in found
+    )
+    return steps[0][1] if len(steps) == 1 else Phased(steps)
 
 
 def phases(compressor: Any) -> tuple[Phase, ...]:
