@@ -443,6 +443,7 @@ def tiny_gpt():
     # AdamW with EF: both optimizer versions (AdamW, AdamW-R) are candidates.
     c.optimizer.name = "adamw"
     c.compression.density_schedule.dense_fraction = 0.0
+    c.compression.density_schedule.dense_dtype = ""  # a warm-up set below is float32
     return c
 
 
@@ -849,3 +850,14 @@ def test_a_run_without_a_schedule_compiles_each_candidate_once():
     assert all(r["density_phase"] is None for r in compiler.records())
     assert all(not r.compiled.peak_phase and not r.compiled.phase_peaks for r in result.rows)
     assert "peak phase" not in result.table()
+
+
+def test_phase_names_tell_a_16_bit_warm_up_apart():
+    import resireduce_jax as rr
+    from train import memory_plan
+
+    cast = rr.compressors.Cast("bfloat16", feedback=False)
+    assert memory_plan.phase_name(0, rr.compressors.none()) == "0 dense"
+    assert memory_plan.phase_name(0, cast) == "0 dense bfloat16"
+    assert memory_plan.phase_name(1, rr.compressors.topk(0.01)) == "1 topk 1%"
+    assert memory_plan.phase_name(0, rr.compressors.bf16()) == "0 cast"  # feeds back: not dense

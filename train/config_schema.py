@@ -108,10 +108,18 @@ def base_config() -> ml_collections.ConfigDict:
     # fractions of the run's steps: the first dense_fraction travel uncompressed (a dense
     # warm-up; any compressor), then DGC's warm-up stages (ICLR 2018 §3.4: density
     # dgc_start, dgc_start / dgc_factor, ... while above `density`; sparsifiers only) share
-    # the next dgc_fraction, then `density`. The optimizer compressed_momentum_adam
+    # the next dgc_fraction, then `density`. dense_dtype: "" sends the dense warm-up in
+    # the gradients' dtype, "bfloat16" / "float16" as a 16-bit all-reduce (half the bytes
+    # of float32; the rounding is not fed back). The optimizer compressed_momentum_adam
     # estimates Adam's second moment in the dense warm-up (needs dense_fraction > 0).
     c.compression.density_schedule = ml_collections.ConfigDict(
-        {"dense_fraction": 0.0, "dgc_fraction": 0.0, "dgc_start": 0.25, "dgc_factor": 4.0}
+        {
+            "dense_fraction": 0.0,
+            "dense_dtype": "",
+            "dgc_fraction": 0.0,
+            "dgc_start": 0.25,
+            "dgc_factor": 4.0,
+        }
     )
     c.compression.options = ml_collections.ConfigDict()  # other compressor arguments
     c.compression.min_size = 10_000
@@ -284,6 +292,11 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         "compression.density_schedule.dense_fraction and .dgc_fraction must be in [0, 1) "
         f"with a sum below 1 (fractions of the run's steps), got {sched.dense_fraction} and "
         f"{sched.dgc_fraction}.",
+    )
+    _check(
+        sched.dense_dtype in ("", "bfloat16", "float16"),
+        "compression.density_schedule.dense_dtype must be '' (the gradients' dtype), "
+        f"'bfloat16' or 'float16', got {sched.dense_dtype!r}.",
     )
     _check(
         0 < sched.dgc_start <= 1 and sched.dgc_factor > 1,

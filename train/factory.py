@@ -95,7 +95,8 @@ def density_schedule(
 ) -> rr.compressors.DensitySchedule | None:
     """``compression.density_schedule`` for a run of ``total_steps``; ``None`` if off.
 
-    The first ``dense_fraction`` of the steps travel uncompressed; then DGC's warm-up
+    The first ``dense_fraction`` of the steps travel uncompressed (in ``dense_dtype``, see
+    :func:`build_compressor`); then DGC's warm-up
     stages (density ``dgc_start``, divided by ``dgc_factor`` from stage to stage while above
     ``compression.density``) share the next ``dgc_fraction`` of the steps; then
     ``compression.density``. A non-zero fraction lasts at least one step.
@@ -126,7 +127,10 @@ def build_compressor(
     """The compressor named by ``compression.compressor`` with its arguments.
 
     With ``total_steps`` its density follows :func:`density_schedule` (a compressor without
-    a density gets the dense warm-up alone); without, it is the steady-state compressor.
+    a density gets the dense warm-up alone), its dense warm-up sent in
+    ``density_schedule.dense_dtype`` when one is set
+    (:func:`resireduce_jax.compressors.schedule.with_dense_dtype`); without, it is the
+    steady-state compressor.
     """
     factory = rr.compressors.REGISTRY.get(comp.compressor)
     if factory is None:
@@ -147,6 +151,9 @@ def build_compressor(
                 f"(topk, fast_topk, randomk, dgc); {comp.compressor!r} has no density."
             )
         compressor = rr.compressors.schedule.with_dense_start(schedule.starts[1], compressor)
+    if schedule is not None and comp.density_schedule.dense_dtype:
+        dtype = comp.density_schedule.dense_dtype
+        compressor = rr.compressors.schedule.with_dense_dtype(compressor, dtype)
     return compressor
 
 

@@ -133,6 +133,8 @@ def phase_name(index: int, compressor: Any) -> str:
     """A density phase for the planner's table: ``"0 dense"``, ``"1 topk 1%"``."""
     if isinstance(compressor, rr.compressors.NoCompression):
         return f"{index} dense"
+    if rr.compressors.is_dense(compressor):
+        return f"{index} dense {compressor.dtype}"
     density = getattr(compressor, "density", None)
     if isinstance(density, int | float):
         return f"{index} {compressor.name} {100 * density:g}%"
