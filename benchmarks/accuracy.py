@@ -44,8 +44,9 @@ recipe and variant: ``base`` (the config as it is), ``lr_warmup`` (a linear lear
 warm-up over the first 5 % of the steps), ``dense_warmup`` (the first 5 % of the steps
 uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % over the first
 20 % of the steps), ``cm`` (compressed momentum: ``compressed_momentum_adam`` for AdamW tasks,
-``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up; the default of
-``configs/byte_gpt.py``), ``cm_global`` (``cm`` with whole-model Top-k,
+``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up), ``cm16`` (``cm``
+after 12.5 % of the steps dense in bfloat16, the same bytes as 6.25 % in float32; the
+default of ``configs/byte_gpt.py``), ``cm_global`` (``cm`` with whole-model Top-k,
 ``compression.selection_scope="global"``), ``cm_dgc`` (``cm``
 with DGC's warm-up over the 10 % of the steps after the dense ones). DGC's own memory is
 the variant ``dgc`` (SGD tasks; its momentum factor masking refuses a dense phase, so not
@@ -138,6 +139,7 @@ def _byte_gpt_task(overrides: dict[str, Any], *, default_seeds: int, description
             # where the config's default is a recipe.
             "optimizer.name": "adamw",
             "compression.density_schedule.dense_fraction": 0.0,
+            "compression.density_schedule.dense_dtype": "",  # recipes send float32
             # The config's intra_layers="auto" picks singletons holding >= 10 % of the
             # compressed elements; at width 64 the byte embedding holds 9.7 %, so "2d" would
             # change nothing. Name it, as configs/gpt2_*_wikitext.py do for GPT-2.
@@ -246,6 +248,8 @@ def _both(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 _DENSE_FRACTION = "compression.density_schedule.dense_fraction"
 _DENSE_5 = {_DENSE_FRACTION: 0.05}
 _DGC_10 = {"compression.density_schedule.dgc_fraction": 0.1}
+# 12.5 % of the steps dense, in bfloat16: the bytes of 6.25 % in float32.
+_DENSE_16 = {_DENSE_FRACTION: 0.125, "compression.density_schedule.dense_dtype": "bfloat16"}
 _GLOBAL = "compression.selection_scope"
 RECIPES: dict[str, Recipe] = {
     "base": Recipe("the task's config", *_both({})),
@@ -260,6 +264,12 @@ RECIPES: dict[str, Recipe] = {
         "compressed momentum after 5 % dense steps",
         {**_DENSE_5, "optimizer.name": "compressed_momentum_adam"},
         {**_DENSE_5, "optimizer.name": "compressed_momentum_sgd"},
+    ),
+    "cm16": Recipe(
+        "compressed momentum after 12.5 % of the steps dense in bfloat16 (the byte GPT "
+        "config's recipe)",
+        {**_DENSE_16, "optimizer.name": "compressed_momentum_adam"},
+        {**_DENSE_16, "optimizer.name": "compressed_momentum_sgd"},
     ),
     "cm_global": Recipe(
         "compressed momentum after 5 % dense steps, Top-k over the whole model "
