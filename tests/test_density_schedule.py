@@ -294,13 +294,18 @@ def test_a_dense_start_keeps_powersgd_state_apart_until_powersgd_runs(variant):
     assert type(kept) is tuple and kept == ()
 
 
-def test_resuming_mid_schedule_is_bit_identical():
+@pytest.mark.parametrize("dense_dtype", [None, "bfloat16"])
+def test_resuming_mid_schedule_is_bit_identical(dense_dtype):
     """The phase comes from the exchange's step count, which the state carries: running
-    3 steps and then 3 more from the saved state equals 6 steps at once."""
-    sched = rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02})
-    tx = optax.chain(
-        rr.error_feedback(rr.compressors.topk(sched), min_size=MIN_SIZE), optax.sgd(0.1)
-    )
+    3 steps and then 3 more from the saved state equals 6 steps at once. ``bfloat16``: the
+    dense phase is a 16-bit all-reduce and the run resumes inside it (step 3 of 4)."""
+    if dense_dtype is None:
+        compressor = rr.compressors.topk(rr.compressors.piecewise({0: 1.0, 2: 0.25, 4: 0.02}))
+    else:
+        compressor = schedule.with_dense_dtype(
+            rr.compressors.topk(rr.compressors.piecewise({0: 1.0, 4: 0.02})), dense_dtype
+        )
+    tx = optax.chain(rr.error_feedback(compressor, min_size=MIN_SIZE), optax.sgd(0.1))
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     grads = th.random_grads(np.random.default_rng(9), SHAPES, W, steps=6)
     whole, state = th.run_shard_map(tx, params, grads)
