@@ -41,7 +41,8 @@ buffer per worker). Its compressor decides the warm-up: it must start with a den
 :func:`~resireduce_jax.compressors.schedule.with_dense_dtype`, the mean then that of a
 bfloat16 all-reduce), whose end freezes :math:`v`. Frozen too early, while the gradients
 are still in their initial transient, :math:`v` stays too large for the rest of the run;
-a 16-bit warm-up twice as long costs the bytes of the float32 one. Beyond the paper's 1-bit compressor, any compressor works (Top-k here).
+a 16-bit warm-up twice as long costs the bytes of the float32 one. Beyond the paper's
+1-bit compressor, any compressor works (Top-k here).
 
 The transform replaces both the exchange and the optimizer of a chain: it is the first
 (and usually only) transform, under ``jax.shard_map`` or ``jax.pmap`` like the exchanges.

@@ -97,7 +97,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
     ordered,
 )
-from resireduce_jax.compressors.dense import NoCompression, is_dense
+from resireduce_jax.compressors.dense import is_dense
 from resireduce_jax.compressors.sparse import TopK
 from resireduce_jax.tree_paths import validate_float_leaves
 
@@ -1067,8 +1067,9 @@ def exchange(
         raise ValueError(f"selection_scope must be 'leaf' or 'global', got {selection_scope!r}.")
     if selection_scope == "global":
         others = sorted(
-            {p.compressor.name for p in schedule.phases(compressor)}
-            - {TopK.name, NoCompression.name}
+            p.compressor.name
+            for p in schedule.phases(compressor)
+            if p.compressor.name != TopK.name and not is_dense(p.compressor)
         )
         if others or local_axis is not None or stacks is not None:
             found = ", ".join(others) or ("local_axis" if local_axis else "layer_stacks")

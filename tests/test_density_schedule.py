@@ -550,3 +550,16 @@ def test_a_16_bit_dense_phase_sends_half_the_bytes_rounded_and_keeps_no_residual
     assert not any(np.any(x) for x in stores(warm))
     _, compressing = th.run_shard_map(tx, params, grads)
     assert all(np.any(x) for x in stores(compressing))
+
+    # Whole-model Top-k takes the 16-bit warm-up as a dense phase too (a plain bf16 cast,
+    # which feeds its rounding back, is refused there).
+    global_tx = rr.error_feedback(compressor, min_size=MIN_SIZE, selection_scope="global")
+    global_out, global_warm = th.run_shard_map(global_tx, params, grads[:1])
+    for k in COMPRESSED:
+        np.testing.assert_array_equal(global_out[0][k], outputs[0][k])
+    assert not any(np.any(x) for x in stores(global_warm))
+    with pytest.raises(ValueError, match="found cast"):
+        rr.error_feedback(
+            schedule.Phased(((0, rr.compressors.bf16()), (3, rr.compressors.topk(0.05)))),
+            selection_scope="global",
+        )
