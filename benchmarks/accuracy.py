@@ -47,7 +47,8 @@ uncompressed), ``dgc_warmup`` (DGC's warm-up: density 25 %, 6.25 %, 1.5625 % ove
 ``compressed_momentum_sgd`` for SGD tasks, after a 5 % dense warm-up), ``cm16`` (``cm``
 after 12.5 % of the steps dense in bfloat16, the same bytes as 6.25 % in float32; the
 default of ``configs/byte_gpt.py``), ``cm_global`` (``cm`` with whole-model Top-k,
-``compression.selection_scope="global"``), ``cm_dgc`` (``cm``
+``compression.selection_scope="global"``; ``cm16_global`` the same after ``cm16``'s
+warm-up), ``cm_dgc`` (``cm``
 with DGC's warm-up over the 10 % of the steps after the dense ones). DGC's own memory is
 the variant ``dgc`` (SGD tasks; its momentum factor masking refuses a dense phase, so not
 with ``dense_warmup`` or the ``cm`` recipes). Every run reports the bytes one worker sent
@@ -276,6 +277,11 @@ RECIPES: dict[str, Recipe] = {
         "(compression.selection_scope='global')",
         {**_DENSE_5, _GLOBAL: "global", "optimizer.name": "compressed_momentum_adam"},
         {**_DENSE_5, _GLOBAL: "global", "optimizer.name": "compressed_momentum_sgd"},
+    ),
+    "cm16_global": Recipe(
+        "cm16 with Top-k over the whole model (compression.selection_scope='global')",
+        {**_DENSE_16, _GLOBAL: "global", "optimizer.name": "compressed_momentum_adam"},
+        {**_DENSE_16, _GLOBAL: "global", "optimizer.name": "compressed_momentum_sgd"},
     ),
     "cm_dgc": Recipe(
         "compressed momentum after 5 % dense steps, then DGC's warm-up (density 25 %, "
