@@ -12,12 +12,21 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from resireduce_jax.compressors.base import Compressor, dense_mean
 
 __all__ = ["Cast", "NoCompression", "is_dense"]
+
+
+def _no_residual(x: jax.Array, skip: jax.Array | None) -> jax.Array:
+    """The residual of a phase that keeps none: zero, or ``x`` itself on a skipped step
+    (nothing was sent; :meth:`Compressor.residual`'s contract)."""
+    if skip is None:
+        return jnp.zeros_like(x)
+    return jnp.where(skip, x, jnp.zeros((), x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +47,7 @@ class NoCompression(Compressor):
         return dense_mean(payload, axis_name, like.dtype)
 
     def residual(self, x, payload, skip=None):
-        if skip is None:
-            return jnp.zeros_like(x)
-        return jnp.where(skip, x, jnp.zeros((), x.dtype))
+        return _no_residual(x, skip)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return math.prod(shape) * np.dtype(dtype).itemsize
@@ -85,9 +92,7 @@ class Cast(Compressor):
     def residual(self, x, payload, skip=None):
         if self.feedback:
             return super().residual(x, payload, skip)
-        if skip is None:
-            return jnp.zeros_like(x)
-        return jnp.where(skip, x, jnp.zeros((), x.dtype))
+        return _no_residual(x, skip)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return math.prod(shape) * jnp.dtype(self.dtype).itemsize
