@@ -17,16 +17,21 @@ worker:
   (dense leaves travel outside the branches and are left out of both).
 
 Schedules: ``dense``: a dense warm-up, then the target density; ``dgc``: a dense warm-up,
-then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target.
+then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target; ``dense_bf16``: a dense
+warm-up all-reduced in bfloat16 (``dense_dtype``), then the target. XLA:CPU all-reduces
+bfloat16 in float32, so on CPU that phase's collectives move twice its payload; the page
+compares each phase with what its payload takes on the platform it was compiled for.
 
     python benchmarks/density_schedule.py                 # all cases (long)
     python benchmarks/density_schedule.py --models gpt2_medium --variants ef
+    python benchmarks/density_schedule.py --schedules dense_bf16 --merge  # add rows
     python benchmarks/density_schedule.py --from-json    # re-render the markdown
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -35,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also
 
 from common import (
     NUM_WORKERS,
+    RESULTS,
     MiB,
     environment,
     rerender,
@@ -46,6 +52,8 @@ SCHEDULES = {
     "constant": {"dense_fraction": 0.0, "dgc_fraction": 0.0},
     "dense": {"dense_fraction": 0.05, "dgc_fraction": 0.0},
     "dgc": {"dense_fraction": 0.05, "dgc_fraction": 0.2},
+    # configs/byte_gpt.py's warm-up: 12.5 % of the steps, all-reduced in bfloat16.
+    "dense_bf16": {"dense_fraction": 0.125, "dgc_fraction": 0.0, "dense_dtype": "bfloat16"},
 }
 TOTAL_STEPS = 1000
 
@@ -88,6 +96,12 @@ def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
         )
         for p in phases
     ]
+    # What the payload takes in the compiled program: XLA:CPU all-reduces 16 bits in 32.
+    widen = 2 if jax.default_backend() == "cpu" else 1
+    wire = [
+        e * widen if isinstance(p.compressor, rr.compressors.Cast) else e
+        for p, e in zip(phases, expected, strict=True)
+    ]
     hlo_bytes: list[int | None] = [None]  # one phase: no branches to tell apart
     if len(phases) > 1:
         hlo_bytes = [0] * len(phases)
@@ -103,9 +117,10 @@ def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
                 "start": p.start,
                 "compressor": repr(p.compressor),
                 "payload_bytes": e,
+                "wire_bytes": w,
                 "hlo_bytes": h,
             }
-            for p, e, h in zip(phases, expected, hlo_bytes, strict=True)
+            for p, e, w, h in zip(phases, expected, wire, hlo_bytes, strict=True)
         ],
         **step.peak.as_dict(),
         "phase_peaks": phase_peaks,
@@ -131,7 +146,9 @@ def render(payload: dict[str, Any]) -> str:
         if r["phases"][0]["hlo_bytes"] is None:
             phase_bytes = f"{r['phases'][0]['payload_bytes']:,} (one phase, no branch)"
         else:
-            same = all(p["hlo_bytes"] == p["payload_bytes"] for p in r["phases"])
+            # Pages written before wire_bytes had no 16-bit phase: wire = payload.
+            wire = [p.get("wire_bytes", p["payload_bytes"]) for p in r["phases"]]
+            same = [p["hlo_bytes"] for p in r["phases"]] == wire
             listed = ", ".join(f"{p['hlo_bytes']:,}" for p in r["phases"])
             phase_bytes = f"{listed} ({'equal' if same else 'DIFFER'})"
         lines.append(
@@ -146,7 +163,8 @@ def render(payload: dict[str, Any]) -> str:
         + "; ".join(f"`{k}` {v}" for k, v in SCHEDULES.items())
         + ". Phase bytes: one worker's collective bytes in each branch of the exchange's "
         "`lax.switch`, summed over the compressed leaves, read off the compiled HLO; "
-        "`equal` when they match the compressors' `payload_bytes` of that phase exactly.",
+        "`equal` when they match the compressors' `payload_bytes` of that phase exactly "
+        "(a bfloat16 phase: twice them on CPU, whose all-reduce runs bfloat16 in float32).",
         "",
         "Produced by: `" + payload["command"] + "`.",
         "",
@@ -155,11 +173,29 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merged(rows: list[dict[str, Any]], command: str) -> tuple[list[dict[str, Any]], str]:
+    """``rows`` in place of the results page's rows of the same cases, the others kept in
+    the page's order (new cases after them); the commands of both, joined."""
+    path = os.path.join(RESULTS, "density_schedule.json")
+    if not os.path.exists(path):
+        return rows, command
+    with open(path) as f:
+        old = json.load(f)
+
+    def key(row):
+        return row["model"], row["variant"], row["schedule"]
+
+    new = {key(r): r for r in rows}
+    kept = [new.pop(key(r), r) for r in old["rows"]]
+    return kept + list(new.values()), f"{old['command']}`; `{command}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2_medium", "resnet50"])
     parser.add_argument("--variants", nargs="+", default=["ef", "w+2d"])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--merge", action="store_true", help="keep the page's rows of other cases")
     parser.add_argument("--from-json", action="store_true", help="re-render the markdown")
     args = parser.parse_args()
     if args.from_json:
@@ -174,10 +210,13 @@ def main() -> None:
             for schedule in args.schedules:
                 rows.append(measure(model, variant, schedule))
                 print(rows[-1]["model"], variant, schedule, rows[-1]["peak"] / MiB, flush=True)
+    command = "python benchmarks/density_schedule.py " + " ".join(sys.argv[1:])
+    if args.merge:
+        rows, command = merged(rows, command)
     payload = {
         "environment": environment(),
         "total_steps": TOTAL_STEPS,
-        "command": "python benchmarks/density_schedule.py " + " ".join(sys.argv[1:]),
+        "command": command,
         "rows": rows,
     }
     write_results("density_schedule", payload, render(payload))
