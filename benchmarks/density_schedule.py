@@ -34,14 +34,15 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
 
 from common import (
     NUM_WORKERS,
-    RESULTS,
     MiB,
+    add_output_arguments,
     environment,
     rerender,
     write_results,
@@ -173,33 +174,32 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def merged(rows: list[dict[str, Any]], command: str) -> tuple[list[dict[str, Any]], str]:
-    """``rows`` in place of the results page's rows of the same cases, the others kept in
-    the page's order (new cases after them); the commands of both, joined."""
-    path = os.path.join(RESULTS, "density_schedule.json")
-    if not os.path.exists(path):
-        return rows, command
-    with open(path) as f:
-        old = json.load(f)
+def merge_rows(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``before`` with every row of the same case (model, variant, schedule) replaced by its
+    row in ``now``, in ``before``'s order; cases new in ``now`` come last."""
 
-    def key(row):
+    def case(row: dict[str, Any]) -> tuple[str, ...]:
         return row["model"], row["variant"], row["schedule"]
 
-    new = {key(r): r for r in rows}
-    kept = [new.pop(key(r), r) for r in old["rows"]]
-    return kept + list(new.values()), f"{old['command']}`; `{command}"
+    fresh = {case(r): r for r in now}
+    merged = [fresh.pop(case(r), r) for r in before]
+    return merged + [r for r in now if case(r) in fresh]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2_medium", "resnet50"])
     parser.add_argument("--variants", nargs="+", default=["ef", "w+2d"])
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
-    parser.add_argument("--merge", action="store_true", help="keep the page's rows of other cases")
-    parser.add_argument("--from-json", action="store_true", help="re-render the markdown")
-    args = parser.parse_args()
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    add_output_arguments(
+        parser,
+        from_json_help="re-render the markdown",
+        merge_help="replace the rows compiled now in the earlier density_schedule.json, "
+        "keep the others",
+    )
+    args = parser.parse_args(argv)
     if args.from_json:
-        rerender("density_schedule", render)
+        rerender("density_schedule", render, args.out)
         return
     from resireduce_jax import runtime
 
@@ -210,16 +210,20 @@ def main() -> None:
             for schedule in args.schedules:
                 rows.append(measure(model, variant, schedule))
                 print(rows[-1]["model"], variant, schedule, rows[-1]["peak"] / MiB, flush=True)
-    command = "python benchmarks/density_schedule.py " + " ".join(sys.argv[1:])
-    if args.merge:
-        rows, command = merged(rows, command)
+    given = sys.argv[1:] if argv is None else argv
+    command = "python benchmarks/density_schedule.py " + " ".join(given)
+    previous = Path(args.out) / "density_schedule.json"
+    if args.merge and previous.exists():
+        earlier = json.loads(previous.read_text())
+        rows = merge_rows(earlier["rows"], rows)
+        command = f"{earlier['command']}`; `{command}"
     payload = {
         "environment": environment(),
         "total_steps": TOTAL_STEPS,
         "command": command,
         "rows": rows,
     }
-    write_results("density_schedule", payload, render(payload))
+    write_results("density_schedule", payload, render(payload), args.out)
 
 
 if __name__ == "__main__":

@@ -374,6 +374,18 @@ def test_guard_cost_merge_replaces_the_rerun_cases_in_place():
     assert [r["model"] for r in merged] == ["conv", "conv", "mlp", "vit"]
 
 
+def test_density_schedule_merge_replaces_the_rerun_cases_in_place():
+    import density_schedule
+
+    def row(variant, schedule, peak):
+        return {"model": "gpt2_medium", "variant": variant, "schedule": schedule, "peak": peak}
+
+    before = [row("ef", "constant", 1), row("ef", "dense", 2), row("w+2d", "dense", 3)]
+    now = [row("w+2d", "dense_bf16", 40), row("ef", "dense", 20)]
+    merged = density_schedule.merge_rows(before, now)
+    assert [r["peak"] for r in merged] == [1, 20, 3, 40]
+
+
 def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
     """From hand-made XLA dumps of a 300-byte temp buffer: ``a`` and ``b`` overlap in time
     (200 B), ``e`` is ``b``'s tuple alias at the same offset (counted once), ``c`` reuses
@@ -403,6 +415,7 @@ RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
     ("step_time", ["--backward-order"], "step_time_backward.md"),
     ("step_time", ["--weight-update-order"], "step_time_order.md"),
     ("guard_cost", [], "guard_cost.md"),
+    ("density_schedule", [], "density_schedule.md"),
     ("memory_figures", [], "memory_figures.md"),
     ("peak_memory", [], "peak_memory.md"),
     ("fit", [], "fit.md"),
