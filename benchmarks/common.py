@@ -26,7 +26,7 @@ import json
 import os
 import platform
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,20 @@ def add_output_arguments(
     if merge_help is not None:
         parser.add_argument("--merge", action="store_true", help=merge_help)
     parser.add_argument("--from-json", action="store_true", help=from_json_help)
+
+
+def merge_rows(
+    before: list[dict[str, Any]], now: list[dict[str, Any]], case: Sequence[str]
+) -> list[dict[str, Any]]:
+    """``--merge``: ``before`` with every row of the same case (the values of the fields
+    ``case``) replaced by its row in ``now``, in ``before``'s order; new cases come last."""
+
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(row[field] for field in case)
+
+    fresh = {key(r): r for r in now}
+    merged = [fresh.pop(key(r), r) for r in before]
+    return merged + [r for r in now if key(r) in fresh]
 
 
 def read_results(name: str, out: str | Path = RESULTS) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common`, also when imported
 
+import common
 from common import (
     NUM_WORKERS,
     MiB,
@@ -175,15 +176,9 @@ def render(payload: dict[str, Any]) -> str:
 
 
 def merge_rows(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``before`` with every row of the same case (model, variant, schedule) replaced by its
-    row in ``now``, in ``before``'s order; cases new in ``now`` come last."""
-
-    def case(row: dict[str, Any]) -> tuple[str, ...]:
-        return row["model"], row["variant"], row["schedule"]
-
-    fresh = {case(r): r for r in now}
-    merged = [fresh.pop(case(r), r) for r in before]
-    return merged + [r for r in now if case(r) in fresh]
+    """``before`` with the rows of the cases in ``now`` replaced (a case: model, variant,
+    schedule)."""
+    return common.merge_rows(before, now, ("model", "variant", "schedule"))
 
 
 def main(argv: list[str] | None = None) -> None:

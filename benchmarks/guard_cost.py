@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common
 from common import MiB, add_output_arguments, environment, rerender, write_results
 
 OPTIMIZERS = ("optax.sgd", "sgd", "optax.adamw", "adamw_r", "optax.lion", "lion_r", "adan_r")
@@ -259,15 +260,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def merge_rows(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``before`` with every row of the same case (model, variant, optimizer, guard) replaced
-    by its row in ``now``, in ``before``'s order; cases new in ``now`` come last."""
-
-    def case(row: dict[str, Any]) -> tuple[str, ...]:
-        return row["model"], row["variant"], row["optimizer"], row["guard"]
-
-    fresh = {case(r): r for r in now}
-    merged = [fresh.pop(case(r), r) for r in before]
-    return merged + [r for r in now if case(r) in fresh]
+    """``before`` with the rows of the cases in ``now`` replaced (a case: model, variant,
+    optimizer, guard)."""
+    return common.merge_rows(before, now, ("model", "variant", "optimizer", "guard"))
 
 
 def main(argv: list[str] | None = None) -> None:
