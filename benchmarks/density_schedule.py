@@ -60,6 +60,15 @@ SCHEDULES = {
 TOTAL_STEPS = 1000
 
 
+def wire_bytes(compressor: Any, payload_bytes: int, backend: str) -> int:
+    """What a phase's payload takes in the compiled program on ``backend``: XLA:CPU runs a
+    bfloat16 all-reduce in float32 (twice the bytes) and a float16 one in float16."""
+    import resireduce_jax as rr
+
+    bf16 = isinstance(compressor, rr.compressors.Cast) and compressor.dtype == "bfloat16"
+    return 2 * payload_bytes if bf16 and backend == "cpu" else payload_bytes
+
+
 def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
     """Compiles the case's guarded step with ``schedule`` (switching, and per phase)."""
     import jax
@@ -98,12 +107,8 @@ def measure(model: str, variant: str, schedule: str) -> dict[str, Any]:
         )
         for p in phases
     ]
-    # What the payload takes in the compiled program: XLA:CPU all-reduces 16 bits in 32.
-    widen = 2 if jax.default_backend() == "cpu" else 1
-    wire = [
-        e * widen if isinstance(p.compressor, rr.compressors.Cast) else e
-        for p, e in zip(phases, expected, strict=True)
-    ]
+    backend = jax.default_backend()
+    wire = [wire_bytes(p.compressor, e, backend) for p, e in zip(phases, expected, strict=True)]
     hlo_bytes: list[int | None] = [None]  # one phase: no branches to tell apart
     if len(phases) > 1:
         hlo_bytes = [0] * len(phases)

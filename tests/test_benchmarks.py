@@ -386,6 +386,20 @@ def test_density_schedule_merge_replaces_the_rerun_cases_in_place():
     assert [r["peak"] for r in merged] == [1, 20, 3, 40]
 
 
+def test_density_schedule_counts_a_bfloat16_phase_twice_on_cpu_only():
+    """XLA:CPU all-reduces bfloat16 in float32 and float16 in float16: the compiled bytes
+    of both, test_compressors.test_compiled_collective_bytes_equal_payload_bytes."""
+    import density_schedule
+
+    import resireduce_jax as rr
+
+    bf16, f16 = rr.compressors.Cast("bfloat16", feedback=False), rr.compressors.Cast("float16")
+    assert density_schedule.wire_bytes(bf16, 100, "cpu") == 200
+    assert density_schedule.wire_bytes(bf16, 100, "gpu") == 100
+    assert density_schedule.wire_bytes(f16, 100, "cpu") == 100
+    assert density_schedule.wire_bytes(rr.compressors.topk(0.01), 100, "cpu") == 100
+
+
 def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
     """From hand-made XLA dumps of a 300-byte temp buffer: ``a`` and ``b`` overlap in time
     (200 B), ``e`` is ``b``'s tuple alias at the same offset (counted once), ``c`` reuses
