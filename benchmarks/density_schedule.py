@@ -17,10 +17,11 @@ worker:
   (dense leaves travel outside the branches and are left out of both).
 
 Schedules: ``dense``: a dense warm-up, then the target density; ``dgc``: a dense warm-up,
-then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target; ``dense_bf16``: a dense
-warm-up all-reduced in bfloat16 (``dense_dtype``), then the target. XLA:CPU all-reduces
-bfloat16 in float32, so on CPU that phase's collectives move twice its payload; the page
-compares each phase with what its payload takes on the platform it was compiled for.
+then DGC's warm-up stages (25 %, 6.25 %, 1.5625 %), then the target; ``dense_bf16`` and
+``dense_f16``: a dense warm-up all-reduced in bfloat16 or float16 (``dense_dtype``), then
+the target. XLA:CPU all-reduces bfloat16 in float32, so on CPU that phase's collectives
+move twice its payload; the page compares each phase with what its payload takes on the
+platform it was compiled for.
 
     python benchmarks/density_schedule.py                 # all cases (long)
     python benchmarks/density_schedule.py --models gpt2_medium --variants ef
@@ -56,6 +57,8 @@ SCHEDULES = {
     "dgc": {"dense_fraction": 0.05, "dgc_fraction": 0.2},
     # configs/byte_gpt.py's warm-up: 12.5 % of the steps, all-reduced in bfloat16.
     "dense_bf16": {"dense_fraction": 0.125, "dgc_fraction": 0.0, "dense_dtype": "bfloat16"},
+    # The same in float16, which XLA:CPU all-reduces natively.
+    "dense_f16": {"dense_fraction": 0.125, "dgc_fraction": 0.0, "dense_dtype": "float16"},
 }
 TOTAL_STEPS = 1000
 
