@@ -4,9 +4,10 @@ The recommended recipe for Adam at top-k 1 % (docs/exchange.md, "Compressed mome
 dense AdamW for the first 12.5 % of the steps, sent in bfloat16 (the bytes of 6.25 % in
 float32), then the second moment frozen and each worker's update direction sent
 compressed, its residual kept by ResiReduce w+2d; 9.40 % of dense's bytes over the run.
-In this config's 400 steps it ends at 1.18-1.24x dense perplexity with EF (4 seeds), and
-a warm-up of 5 % (20 steps) at up to 1.48x: benchmarks/results/accuracy_400 and
-benchmarks/results/accuracy.md (1,200 steps).
+In this config's 400 steps it ends at 1.34x dense perplexity with its w+2d (3 seeds) and at
+1.18-1.24x with EF (``--config.compression.variant=ef``, 4 seeds; without error feedback
+1.66x), and with a warm-up of 5 % (20 steps) EF ends at up to 1.48x:
+benchmarks/results/accuracy_400 and benchmarks/results/accuracy.md (1,200 steps).
 ``--config.optimizer.name=adamw`` with ``--config.compression.density_schedule.dense_fraction=0``
 is error feedback on AdamW.
 
