@@ -150,8 +150,20 @@ def test_variant_vocabulary_and_optimizer_registry():
     state = factory.build_optimizer(c, 0.1).init(params)
     assert isinstance(state, tuple) and len(state) == 2  # clip_by_global_norm, optax.adabelief
     c = small_digits(**{"optimizer.name": "nonesuch"})
-    with pytest.raises(ValueError, match=r"optimizer.name='nonesuch'.*adamw_r"):
+    with pytest.raises(ValueError, match=r"optimizer.name='nonesuch'.*adamw_r") as error:
         factory.build_optimizer(c, 0.1)
+    # The names only the training program takes are listed too.
+    assert all(name in str(error.value) for name in factory.COMPRESSED_MOMENTUM)
+    assert "Did you mean" not in str(error.value)
+    # A misspelling is answered with the closest name, in the namespace it was asked in.
+    for typo, meant in [
+        ("compressed_momentum_adma", "compressed_momentum_adam"),
+        ("adamw-r", "adamw_r"),
+        ("optax.adamx", "optax.adamax"),
+    ]:
+        c = small_digits(**{"optimizer.name": typo})
+        with pytest.raises(ValueError, match=f"Did you mean '{meant}'\\?$"):
+            factory.build_optimizer(c, 0.1)
     model_config = models.get_config("byte_gpt")
     task = tasks.make_task(model_config.build(), model_config, "language_modeling")
     assert isinstance(task, tasks.CausalLM) and task.kind == "causal_lm"

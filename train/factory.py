@@ -43,6 +43,7 @@ variant's residual stores (Adam: after a dense warm-up that estimates the second
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any
 
@@ -50,6 +51,7 @@ import ml_collections
 import optax
 
 import resireduce_jax as rr
+from resireduce_jax.optimizers import registry
 from resireduce_jax.optimizers.registry import optimizer_factory
 from train import config_schema
 
@@ -286,7 +288,6 @@ def build_schedule(config: ml_collections.ConfigDict, steps_per_epoch: float, to
 #: plain name to this library's equivalent (``adamw``, ``sgd``); the memory planner's
 #: "original optimizer" candidates (train/memory_plan.py).
 OPTAX_PREFIX = "optax."
-_OPTAX_ALIAS_MODULE = "optax._src.alias"
 
 
 def _optimizer_factory(name: str):
@@ -294,10 +295,25 @@ def _optimizer_factory(name: str):
     if not name.startswith(OPTAX_PREFIX):
         return optimizer_factory(name)
     alias = name.removeprefix(OPTAX_PREFIX)
-    factory = getattr(optax, alias, None)
-    if alias.startswith("_") or getattr(factory, "__module__", "") != _OPTAX_ALIAS_MODULE:
+    if alias not in registry.optax_optimizer_names():
         raise ValueError(f"optax has no optimizer {alias!r} (e.g. 'optax.adamw', 'optax.sgd').")
-    return factory
+    return getattr(optax, alias)
+
+
+def _more_optimizers(name: str) -> str:
+    """The end of an unknown ``optimizer.name``'s message: the names only the training
+    program takes, and the closest known name."""
+    optax_names = registry.optax_optimizer_names()
+    if name.startswith(OPTAX_PREFIX):
+        name, known, prefix = name.removeprefix(OPTAX_PREFIX), optax_names, OPTAX_PREFIX
+    else:
+        known, prefix = [*COMPRESSED_MOMENTUM, *registry.OPTIMIZERS, *optax_names], ""
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+    return (
+        f" The training program also takes {sorted(COMPRESSED_MOMENTUM)} (the exchange "
+        f"inside the optimizer) and 'optax.NAME' for optax's own NAME.{hint}"
+    )
 
 
 def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.GradientTransformation:
@@ -315,7 +331,7 @@ def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.Gradie
     try:
         factory = _optimizer_factory(o.name)
     except ValueError as e:
-        raise ValueError(f"optimizer.name={o.name!r}: {e}") from None
+        raise ValueError(f"optimizer.name={o.name!r}: {e}{_more_optimizers(o.name)}") from None
     kwargs = config_schema.free_form(o.kwargs)
     params = inspect.signature(factory).parameters
     decoupled = "weight_decay" in params

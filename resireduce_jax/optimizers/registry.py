@@ -12,7 +12,7 @@ from resireduce_jax.optimizers.adan_r import adan_r
 from resireduce_jax.optimizers.lion_r import lion_r
 from resireduce_jax.optimizers.sgd import sgd
 
-__all__ = ["OPTIMIZERS", "get_optimizer", "optimizer_factory"]
+__all__ = ["OPTIMIZERS", "get_optimizer", "optax_optimizer_names", "optimizer_factory"]
 
 # This library's optimizers. "sgd" and "adamw" are this library's skip-aware equivalents
 # of optax's (bit-identical updates; under resireduce_jax.skip_nonfinite they keep their
@@ -30,7 +30,8 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
 _OPTAX_ALIAS_MODULE = "optax._src.alias"  # where optax defines its optimizer aliases
 
 
-def _optax_optimizer_names() -> list[str]:
+def optax_optimizer_names() -> list[str]:
+    """The names of optax's optimizer aliases (``"adamw"``, ``"lion"``, ...), sorted."""
     return sorted(
         name
         for name in dir(optax)
@@ -47,7 +48,7 @@ def optimizer_factory(name: str) -> Callable[..., optax.GradientTransformation]:
     """
     if name in OPTIMIZERS:
         return OPTIMIZERS[name]
-    known = _optax_optimizer_names()
+    known = optax_optimizer_names()
     if name in known:
         return getattr(optax, name)
     raise ValueError(
