@@ -632,6 +632,69 @@ def test_analysis_compiles_have_the_optimized_programs_figures():
         assert costs[0][key] == costs[1][key]
 
 
+_SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _without_source_locations(hlo_text: str) -> str:
+    """HLO text without what names the Python frames that traced it (they differ between
+    a test and a script): op metadata, stack frame ids and the tables they index."""
+    lines = [
+        line
+        for line in hlo_text.splitlines()
+        if line not in _SOURCE_TABLES and not re.match(r"\d+ ", line)
+    ]
+    return re.sub(r", (metadata=\{[^}]*\}|stack_frame_id=\d+)", "", "\n".join(lines))
+
+
+def _figures_of_the_tiny_step() -> dict:
+    """The compiled figures of :func:`tiny_gpt`'s step and a digest of its optimized HLO."""
+    import hashlib
+
+    from train import compiled_step
+
+    compiled = compiled_step.abstract_step(tiny_gpt(), seq_len=16).compile().compiled
+    memory, costs = compiled.memory_analysis(), compiled.cost_analysis()
+    return {
+        "peak": hlo.peak_memory(compiled).peak,
+        "temp": memory.temp_size_in_bytes,
+        "flops": costs["flops"],
+        "bytes accessed": costs["bytes accessed"],
+        "hlo": hashlib.sha256(_without_source_locations(compiled.as_text()).encode()).hexdigest(),
+    }
+
+
+def test_the_sessions_quick_codegen_leaves_the_optimized_program_alone():
+    """tests/conftest.py turns off XLA:CPU's loop unrolling, SLP vectorizer and tiled
+    emitter (``QUICK_CODEGEN``): code generation only. A process without them compiles
+    the same optimized HLO, with the same figures."""
+    import subprocess
+    import sys
+
+    from tests import conftest
+    from train.local_job import program_env
+
+    env = program_env(JAX_PLATFORMS="cpu")
+    flags = env["XLA_FLAGS"].split()
+    assert f"--xla_backend_extra_options={','.join(conftest.QUICK_CODEGEN)}" in flags
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "xla_backend_extra_options" not in f)
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # compiled there, not loaded from the session's
+    script = (
+        "import json; from resireduce_jax import runtime; runtime.configure_cpu(8); "
+        "from tests import test_planner; "
+        "print(json.dumps(test_planner._figures_of_the_tiny_step()))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == _figures_of_the_tiny_step()
+
+
 def test_an_impossible_budget_is_one_line_from_shapes(tmp_path):
     result = run_cli(
         "--config=configs/byte_gpt.py",
