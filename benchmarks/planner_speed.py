@@ -54,8 +54,11 @@ COMMANDS = {
 }
 EXPECTED_STATUS = {name: 2 if "1MiB" in name else 0 for name in COMMANDS}
 # The plans run a second time in their own workdir (this checkout only).
-AGAIN = {name: name.replace("plan 10MiB", "plan 10MiB again") for name in COMMANDS}
-AGAIN = {name: again for name, again in AGAIN.items() if again != name}
+AGAIN = {
+    name: name.replace("plan 10MiB", "plan 10MiB again")
+    for name in COMMANDS
+    if name.startswith("plan 10MiB")
+}
 
 
 def one_step_of(name: str) -> str:
