@@ -52,7 +52,6 @@ import optax
 
 import resireduce_jax as rr
 from resireduce_jax.optimizers import registry
-from resireduce_jax.optimizers.registry import optimizer_factory
 from train import config_schema
 
 __all__ = [
@@ -293,7 +292,7 @@ OPTAX_PREFIX = "optax."
 def _optimizer_factory(name: str):
     """``optax.NAME``: optax's alias ``NAME``; any other name: the library's registry."""
     if not name.startswith(OPTAX_PREFIX):
-        return optimizer_factory(name)
+        return registry.optimizer_factory(name)
     alias = name.removeprefix(OPTAX_PREFIX)
     if alias not in registry.optax_optimizer_names():
         raise ValueError(f"optax has no optimizer {alias!r} (e.g. 'optax.adamw', 'optax.sgd').")
