@@ -17,16 +17,21 @@ to the same config's.
 
 The earlier revision is extracted with ``git archive`` and run from its own directory as
 a subprocess. Old and new runs alternate (old, new, new, old per round: ABBA), so that a
-machine whose load drifts treats both alike; wall time and the CPU time of the process
-(user + system) are recorded, and ratios are of medians.
+machine whose load drifts treats both alike; wall time, the CPU time of the process
+(user + system) and the seconds XLA spent compiling (JAX's
+``/jax/core/compile/backend_compile_duration`` events: every program compiled, the
+planner's steps, the rotor chain's stages and the small ones) are recorded, and ratios
+are of medians.
 
     python benchmarks/planner_speed.py                    # against 8b65191, 1 round
     python benchmarks/planner_speed.py --rounds 2 --old-rev main
+    python benchmarks/planner_speed.py --from-json        # re-render the page
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -39,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import ROOT, environment, write_results
+from common import ROOT, add_output_arguments, environment, rerender, write_results
 
 CONFIG = "configs/byte_gpt.py"
 # AdamW with EF: the planner weighs AdamW against AdamW-R (twice the candidates of
@@ -61,6 +66,27 @@ AGAIN = {
 }
 
 
+XLA_EVENT = "/jax/core/compile/backend_compile_duration"
+# ``python -m train ARGS`` in this process, with JAX's compile events summed into OUT
+# (JSON: event -> [seconds, count]); run as ``python -c LAUNCH OUT ARGS`` from the
+# checkout's root, so that ``train`` is that checkout's.
+LAUNCH = """
+import collections, json, runpy, sys
+from jax import monitoring
+seconds, counts = collections.Counter(), collections.Counter()
+def record(event, duration, **_):
+    seconds[event] += duration
+    counts[event] += 1
+monitoring.register_event_duration_secs_listener(record)
+out, sys.argv = sys.argv[1], ["train", *sys.argv[2:]]
+try:
+    runpy.run_module("train", run_name="__main__", alter_sys=True)
+finally:
+    with open(out, "w") as f:
+        json.dump({e: [seconds[e], counts[e]] for e in seconds}, f)
+"""
+
+
 def one_step_of(name: str) -> str:
     """The 1-step run of the same config as command ``name``."""
     return "1-step run, recipe" if name.endswith(", recipe") else "1-step run"
@@ -77,16 +103,19 @@ def extract(rev: str, directory: str) -> str:
 
 
 def timed(checkout: str, args: list[str], workdir: str) -> dict[str, Any]:
-    """Runs ``python -m train`` from ``checkout``; wall and CPU seconds, status, stderr."""
+    """Runs ``python -m train`` from ``checkout``: wall and CPU seconds, XLA's compile
+    seconds and programs, exit status, ``error:`` lines."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
+    events = f"{workdir}.compile_events.json"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "train",
+            "-c",
+            LAUNCH,
+            events,
             f"--config={CONFIG}",
             f"--workdir={workdir}",
             *args,
@@ -100,7 +129,16 @@ def timed(checkout: str, args: list[str], workdir: str) -> dict[str, Any]:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     stderr = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    return {"wall_s": wall, "cpu_s": cpu, "status": done.returncode, "errors": stderr}
+    with open(events) as f:
+        xla_s, programs = json.load(f).get(XLA_EVENT, [0.0, 0])
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "xla_s": xla_s,
+        "xla_programs": programs,
+        "status": done.returncode,
+        "errors": stderr,
+    }
 
 
 def measure(old: str, new: str, rounds: int, scratch: str) -> dict[str, Any]:
@@ -119,7 +157,7 @@ def measure(old: str, new: str, rounds: int, scratch: str) -> dict[str, Any]:
                 runs[name][side].append(result)
                 print(
                     f"{name:<18s} {side}: {result['wall_s']:7.1f} s wall, "
-                    f"{result['cpu_s']:7.1f} s CPU",
+                    f"{result['cpu_s']:7.1f} s CPU, {result['xla_s']:6.1f} s XLA",
                     flush=True,
                 )
                 if name in AGAIN and side == "new":
@@ -127,21 +165,34 @@ def measure(old: str, new: str, rounds: int, scratch: str) -> dict[str, Any]:
                     runs[AGAIN[name]]["new"].append(again)
                     print(
                         f"{AGAIN[name]:<18s} new: {again['wall_s']:7.1f} s wall, "
-                        f"{again['cpu_s']:7.1f} s CPU",
+                        f"{again['cpu_s']:7.1f} s CPU, {again['xla_s']:6.1f} s XLA",
                         flush=True,
                     )
     return runs
 
 
+FIGURES = ("wall_s", "cpu_s", "xla_s", "xla_programs")
+
+
 def summary(runs: dict[str, Any]) -> dict[str, Any]:
     med = {
         name: {
-            side: {k: statistics.median(r[k] for r in results) for k in ("wall_s", "cpu_s")}
+            side: {k: statistics.median(r[k] for r in results) for k in FIGURES}
             for side, results in sides.items()
         }
         for name, sides in runs.items()
     }
     out: dict[str, Any] = {"medians": med}
+    # XLA's compile seconds against the whole 1-step run of the same config: what the
+    # compilations alone cost, before any tracing, start-up or search.
+    out["xla_vs_1_step_wall"] = {
+        side: {
+            name: med[name][side]["xla_s"] / med[one_step_of(name)][side]["wall_s"]
+            for name in med
+            if side in med[name]
+        }
+        for side in ("old", "new")
+    }
     for side in ("old", "new"):
         out[f"{side}_vs_1_step"] = {
             name: {
@@ -197,6 +248,33 @@ def markdown(payload: dict[str, Any]) -> str:
             f"{new_rel['cpu_s']:.2f}×",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Where the time goes",
+        "",
+        "XLA's compile seconds (every program the command compiled) against its wall time "
+        "and against the wall time of the same config's whole 1-step run; medians.",
+        "",
+        "<!-- prose: compile -->",
+        "",
+        "| command | new wall | new XLA | programs | XLA / wall | new XLA / 1-step wall "
+        "| old XLA / 1-step wall |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    xla = s["xla_vs_1_step_wall"]
+    for name in med:
+        new = med[name]["new"]
+        old = xla["old"].get(name)
+        cells = [
+            name,
+            f"{new['wall_s']:.1f} s",
+            f"{new['xla_s']:.1f} s",
+            f"{new['xla_programs']:.0f}",
+            f"{new['xla_s'] / new['wall_s']:.2f}",
+            f"{xla['new'][name]:.2f}×",
+            f"{old:.2f}×" if old is not None else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -204,8 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old-rev", default="8b65191", help="the revision to compare with")
     parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds per command")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
+    if args.from_json:
+        rerender("planner_speed", markdown, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="planner_speed_") as scratch:
         old = os.path.join(scratch, "old")
         os.makedirs(old)
