@@ -552,7 +552,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.from_json:
         from resireduce_jax import runtime
 
-        runtime.configure_cpu(NUM_WORKERS)
+        # Without the timed price runs nothing is run: compile for analysis only (the same
+        # memory and cost analyses, sooner; docs/design.md, "Compiling for analysis").
+        runtime.configure_cpu(NUM_WORKERS, analysis_only=args.no_price)
     cases = QUICK if args.quick else CASES
     out = args.out or (QUICK_OUT if args.quick else str(RESULTS))
     path = os.path.join(out, "fit.json")

@@ -20,6 +20,14 @@ the flags that address them:
   enough).
 * ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
   than for concurrency, so that compiled peak-memory figures are meaningful.
+* ``analysis_only``: a process that compiles programs only to read their
+  ``memory_analysis()`` and ``cost_analysis()`` (the memory planner's ``--plan_only``) and
+  never runs them compiles with LLVM's optimization off
+  (``--xla_backend_optimization_level=0``) and without XLA:CPU's loop unrolling, SLP
+  vectorizer and tiled fusion emitter (:data:`ANALYSIS_CODEGEN`, which only
+  ``--xla_backend_extra_options`` sets). Those change the generated code alone: XLA's HLO
+  passes, schedule and buffer assignment, and so both analyses, stay the optimized
+  program's (``docs/design.md``, "Compiling for analysis").
 * ``PJRT_NPROC`` (``intra_op_threads``) sizes XLA:CPU's intra-op (Eigen) thread pool.
   XLA makes it ``max(cores, devices of this process)``, and Eigen's matrix products cut
   their sums by the pool's size, so by default a worker's local gradient rounds
@@ -41,7 +49,32 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["configure_cpu", "cpu_flags", "default_intra_op_threads"]
+__all__ = [
+    "ANALYSIS_CODEGEN",
+    "analysis_flags",
+    "configure_cpu",
+    "cpu_flags",
+    "default_intra_op_threads",
+]
+
+#: XLA:CPU code-generation passes a process that never runs its programs turns off
+#: (``--xla_backend_extra_options``): loop unrolling, LLVM's SLP vectorizer and the tiled
+#: fusion emitter.
+ANALYSIS_CODEGEN = (
+    "xla_cpu_disable_loop_unrolling",
+    "xla_cpu_disable_slp_vectorizer",
+    "xla_cpu_disable_tiled_emitter",
+)
+
+
+def analysis_flags() -> list[str]:
+    """XLA flags of a process whose programs are compiled to be measured, never run: no
+    LLVM optimization and :data:`ANALYSIS_CODEGEN` off. The compiled programs' memory and
+    cost analyses are the optimized programs'; their code is slow."""
+    return [
+        "--xla_backend_optimization_level=0",
+        f"--xla_backend_extra_options={','.join(ANALYSIS_CODEGEN)}",
+    ]
 
 
 def cpu_flags(
@@ -50,6 +83,7 @@ def cpu_flags(
     collective_timeout_s: int | None = 10,
     memory_scheduler: bool = True,
     keep_remat_barriers: bool = True,
+    analysis_only: bool = False,
 ) -> list[str]:
     """Returns the XLA flags this library recommends for (simulated) CPU runs.
 
@@ -61,6 +95,8 @@ def cpu_flags(
         ``xla_cpu_*`` flag: no effect on other backends).
       keep_remat_barriers: keep optimization barriers, ``jax.checkpoint``'s among them
         (needed for remat on CPU; harmless elsewhere, see the module docstring).
+      analysis_only: the process compiles programs only to measure them
+        (:func:`analysis_flags`); never set it for a process that trains.
 
     Returns:
       A list of ``--flag=value`` strings.
@@ -80,6 +116,8 @@ def cpu_flags(
         flags.append("--xla_disable_hlo_passes=cse_barrier_expander,small-while-loop-hoisting")
     if memory_scheduler:
         flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    if analysis_only:
+        flags += analysis_flags()
     return flags
 
 

@@ -17,7 +17,8 @@ compile it is saved.
 The test session's own programs are compiled with LLVM's optimization of the generated
 code off (``--xla_backend_optimization_level=0``; XLA's default is 3): 28 % less CPU time
 on a part of the suite measured both ways. XLA:CPU's loop unrolling, SLP vectorization
-and tiled fusion emitter are off too (:data:`QUICK_CODEGEN`): 8 % less wall time on
+and tiled fusion emitter are off too (``runtime.ANALYSIS_CODEGEN``, the flags of
+``runtime.analysis_flags``, which ``--plan_only`` uses): 8 % less wall time on
 ``test_resireduce.py`` and ``test_compressors.py`` (two runs each way, alternated), and the
 optimized HLO of the byte GPT's step is the same text with and without them. XLA's HLO
 passes, scheduling and buffer assignment are unchanged (memory figures and collectives are
@@ -51,31 +52,25 @@ def _share_compiled_programs() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
-#: XLA:CPU code-generation options the session turns off (``--xla_backend_extra_options``):
-#: loop unrolling, LLVM's SLP vectorizer and the tiled fusion emitter.
-QUICK_CODEGEN = (
-    "xla_cpu_disable_loop_unrolling",
-    "xla_cpu_disable_slp_vectorizer",
-    "xla_cpu_disable_tiled_emitter",
-)
-
-
 def _compile_quickly() -> None:
-    """Adds ``--xla_backend_optimization_level=0`` and :data:`QUICK_CODEGEN` to
-    ``XLA_FLAGS``, each unless it is set."""
+    """Adds :func:`resireduce_jax.runtime.analysis_flags` (LLVM's optimization level 0 and
+    :data:`~resireduce_jax.runtime.ANALYSIS_CODEGEN` off) to ``XLA_FLAGS``, each unless it
+    is set. The session runs its programs too: only their code is slower."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
-        flags.append("--xla_backend_optimization_level=0")
-    if not any(f.startswith("--xla_backend_extra_options") for f in flags):
-        flags.append(f"--xla_backend_extra_options={','.join(QUICK_CODEGEN)}")
+    for flag in runtime.analysis_flags():
+        name = flag.split("=", 1)[0]
+        if not any(f.startswith(name) for f in flags):
+            flags.append(flag)
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 _share_compiled_programs()
-_compile_quickly()
 
+# Importing the library imports JAX (which reads the cache directory above); XLA_FLAGS it
+# reads only when it starts a backend.
 from resireduce_jax import runtime  # noqa: E402
 
+_compile_quickly()
 runtime.configure_cpu(num_devices=8, collective_timeout_s=10)
 
 import jax  # noqa: E402

@@ -664,18 +664,18 @@ def _figures_of_the_tiny_step() -> dict:
 
 
 def test_the_sessions_quick_codegen_leaves_the_optimized_program_alone():
-    """tests/conftest.py turns off XLA:CPU's loop unrolling, SLP vectorizer and tiled
-    emitter (``QUICK_CODEGEN``): code generation only. A process without them compiles
-    the same optimized HLO, with the same figures."""
+    """tests/conftest.py and ``--plan_only`` turn off XLA:CPU's loop unrolling, SLP
+    vectorizer and tiled emitter (``runtime.ANALYSIS_CODEGEN``): code generation only. A
+    process without them compiles the same optimized HLO, with the same figures."""
     import subprocess
     import sys
 
-    from tests import conftest
+    from resireduce_jax import runtime
     from train.local_job import program_env
 
     env = program_env(JAX_PLATFORMS="cpu")
     flags = env["XLA_FLAGS"].split()
-    assert f"--xla_backend_extra_options={','.join(conftest.QUICK_CODEGEN)}" in flags
+    assert f"--xla_backend_extra_options={','.join(runtime.ANALYSIS_CODEGEN)}" in flags
     env["XLA_FLAGS"] = " ".join(f for f in flags if "xla_backend_extra_options" not in f)
     env.pop("JAX_COMPILATION_CACHE_DIR")  # compiled there, not loaded from the session's
     script = (

@@ -36,3 +36,23 @@ def test_a_checkpoint_inside_a_small_loop_compiles_and_differentiates():
     text = grad.lower(w, x, True).compile().as_text()
     assert "opt-barrier(" in text  # the case that used to abort: a barrier in a small loop
     np.testing.assert_allclose(grad(w, x, True), grad(w, x, False), rtol=1e-6)
+
+
+def test_analysis_flags_only_where_asked_and_a_users_flags_win(monkeypatch):
+    """``analysis_only`` adds LLVM's level 0 and the code-generation passes off, as one
+    ``--xla_backend_extra_options`` (XLA keeps only its last); a flag the user set stays."""
+    assert not any("xla_backend" in f for f in runtime.cpu_flags())
+    added = [f for f in runtime.cpu_flags(analysis_only=True) if "xla_backend" in f]
+    assert added == [
+        "--xla_backend_optimization_level=0",
+        "--xla_backend_extra_options=" + ",".join(runtime.ANALYSIS_CODEGEN),
+    ]
+    assert all(name.startswith("xla_cpu_disable_") for name in runtime.ANALYSIS_CODEGEN)
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
+    flags = runtime.configure_cpu(8, analysis_only=True).split()
+    assert "--xla_backend_optimization_level=2" in flags
+    assert "--xla_backend_optimization_level=0" not in flags
+    assert "--xla_backend_extra_options=" + ",".join(runtime.ANALYSIS_CODEGEN) in flags

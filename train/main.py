@@ -281,6 +281,9 @@ def run(argv) -> None:
         # process layout (docs/design.md, "Process layouts and bitwise results").
         intra_op_threads=runtime.default_intra_op_threads(config.num_workers),
         collective_timeout_s=FLAGS.collective_timeout_s,
+        # --plan_only compiles steps to measure them and runs none: quick code generation
+        # (the same memory and cost analyses; docs/design.md, "Compiling for analysis").
+        analysis_only=FLAGS.plan_only,
     )
     # Our own messages are printed; keep library chatter (orbax logs every write,
     # jax.distributed its start-up) quiet.
