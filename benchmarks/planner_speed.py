@@ -18,10 +18,10 @@ to the same config's.
 The earlier revision is extracted with ``git archive`` and run from its own directory as
 a subprocess. Old and new runs alternate (old, new, new, old per round: ABBA), so that a
 machine whose load drifts treats both alike; wall time, the CPU time of the process
-(user + system) and the seconds XLA spent compiling (JAX's
-``/jax/core/compile/backend_compile_duration`` events: every program compiled, the
-planner's steps, the rotor chain's stages and the small ones) are recorded, and ratios
-are of medians.
+(user + system) and XLA's seconds (JAX's ``/jax/core/compile/backend_compile_duration``
+events, which span ``compile_or_get_cached``: compiling every program, the planner's
+steps, the rotor chain's stages and the small ones, or loading it from the persistent
+cache) are recorded, and ratios are of medians.
 
     python benchmarks/planner_speed.py                    # against 8b65191, 1 round
     python benchmarks/planner_speed.py --rounds 2 --old-rev main
@@ -252,8 +252,9 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         "## Where the time goes",
         "",
-        "XLA's compile seconds (every program the command compiled) against its wall time "
-        "and against the wall time of the same config's whole 1-step run; medians.",
+        "XLA's seconds (compiling every program of the command, or loading it from the "
+        "persistent cache) against the command's wall time and against the wall time of "
+        "the same config's whole 1-step run; medians.",
         "",
         "<!-- prose: compile -->",
         "",
