@@ -467,31 +467,6 @@ def test_the_compilation_cache_is_the_configs_then_the_environments_then_the_wor
         compiled_step.use_compilation_cache(config, workdir)
 
 
-def test_the_compilation_cache_keeps_every_program_unless_the_environment_says(
-    tmp_path, monkeypatch
-):
-    """JAX keeps programs that compiled in over a second; the run's cache keeps all of them
-    (a plan's rotor stages and small programs), unless JAX's own variable sets the limit."""
-    from train import compiled_step
-
-    config = ml_collections.ConfigDict({"compilation_cache_dir": str(tmp_path / "cache")})
-    session = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    limit = jax.config.jax_persistent_cache_min_compile_time_secs
-    try:
-        monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-        compiled_step.use_compilation_cache(config, str(tmp_path))
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
-        compiled_step.use_compilation_cache(config, str(tmp_path))
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.0
-    finally:  # the session's cache and limit again
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", limit)
-        config.compilation_cache_dir = session or ""
-        compiled_step.use_compilation_cache(config, str(tmp_path))
-
-
 def test_a_run_compiles_its_step_once_and_a_resumed_run_loads_it(tmp_path, capsys, monkeypatch):
     """The memory report reads the executable the loop runs; JAX's persistent cache under
     the workdir gives a resumed run the compiled step without compiling it."""

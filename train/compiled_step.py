@@ -527,11 +527,8 @@ def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> st
     Unset: the directory of the environment's ``JAX_COMPILATION_CACHE_DIR`` (JAX's own
     variable, e.g. one cache for every run on a machine) if it names one, else
     ``WORKDIR/compilation_cache``; ``""``: off. A later run that compiles the same
-    programs (a second ``--plan_only``, a resumed run) loads them from there. Every
-    program is kept, however quickly it compiled (JAX keeps only those over a second by
-    default; ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` where set): a plan's rotor
-    stages and small programs add up to seconds. Returns the directory, or ``None`` when
-    off.
+    programs (a second ``--plan_only``, a resumed run) loads them from there. Returns the
+    directory, or ``None`` when off.
     """
     directory = config.get("compilation_cache_dir")
     if directory is None:
@@ -539,8 +536,6 @@ def use_compilation_cache(config: ml_collections.ConfigDict, workdir: str) -> st
             workdir, "compilation_cache"
         )
     directory = os.path.abspath(directory) if directory else None
-    if directory and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if jax.config.jax_compilation_cache_dir != directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         compilation_cache.reset_cache()  # the cache is bound to its first directory
