@@ -100,15 +100,15 @@ def _define_flags() -> None:
         "With --config.memory.budget=SIZE: print the memory planner's table of compiled "
         "candidates, write memory_plan.json to the workdir and exit without training. "
         "Planning compiles the step of each candidate that a lower bound or a prediction "
-        "from the steps already compiled does not rule out, for analysis (no code "
-        "optimization; threads: --config.memory.compile_threads); a budget below every "
-        "candidate's arguments is answered from shapes, without compiling. Expect 3-5 "
-        "times a 1-step run: on 2 cores the byte GPT at 10 MiB plans in 31 s with its "
-        "recipe and 38 s with AdamW, against 8.8 s and 7.7 s for a 1-step run "
+        "from the steps already compiled does not rule out, for analysis (quick code "
+        "generation, none of it run; threads: --config.memory.compile_threads); a budget "
+        "below every candidate's arguments is answered from shapes, without compiling. "
+        "Expect 3-5 times a 1-step run: on 2 cores the byte GPT at 10 MiB plans in 31 s "
+        "with its recipe and 41 s with AdamW, against 8.7 s and 9.5 s for a 1-step run "
         "(benchmarks/results/planner_speed.md). A second --plan_only in the same workdir "
         "loads the compiled steps from WORKDIR/compilation_cache "
-        "(--config.compilation_cache_dir; $JAX_COMPILATION_CACHE_DIR where set): 16 s "
-        "and 18 s.",
+        "(--config.compilation_cache_dir; $JAX_COMPILATION_CACHE_DIR where set): 15 s "
+        "and 19 s.",
     )
 
 
