@@ -51,6 +51,7 @@ import os
 
 __all__ = [
     "ANALYSIS_CODEGEN",
+    "ANALYSIS_OPTIONS",
     "analysis_flags",
     "configure_cpu",
     "cpu_flags",
@@ -67,12 +68,18 @@ ANALYSIS_CODEGEN = (
 )
 
 
+#: Compile options of one program compiled to be measured, never run (``Lowered.compile``'s
+#: ``compiler_options``): no LLVM optimization of the generated code.
+ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 def analysis_flags() -> list[str]:
-    """XLA flags of a process whose programs are compiled to be measured, never run: no
-    LLVM optimization and :data:`ANALYSIS_CODEGEN` off. The compiled programs' memory and
-    cost analyses are the optimized programs'; their code is slow."""
+    """XLA flags of a process whose programs are compiled to be measured, never run:
+    :data:`ANALYSIS_OPTIONS` for every compilation and :data:`ANALYSIS_CODEGEN` off (which
+    only ``--xla_backend_extra_options`` sets). The compiled programs' memory and cost
+    analyses are the optimized programs'; their code is slow."""
     return [
-        "--xla_backend_optimization_level=0",
+        *(f"--{name}={value}" for name, value in ANALYSIS_OPTIONS.items()),
         f"--xla_backend_extra_options={','.join(ANALYSIS_CODEGEN)}",
     ]
 

@@ -206,7 +206,7 @@ def abstract_batch(model_config, kind: str, rows: int, seq_len: int = 0) -> dict
     return dict(model_config.example_batch(rows))
 
 
-ANALYSIS_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+ANALYSIS_OPTIONS: dict[str, Any] = rr.runtime.ANALYSIS_OPTIONS
 """XLA options of a step compiled only to be measured (the planner, the memory reports).
 
 The level of LLVM's optimization of the generated code: XLA's HLO passes, scheduling and
