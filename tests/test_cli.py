@@ -7,6 +7,7 @@ names the key, with exit status 2 and no traceback; each run takes a few seconds
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,58 @@ def test_help_lists_the_flags_and_an_example():
     assert "python -m train --config configs/default.py --workdir /tmp/rr_digits" in out
     assert "compression.{" in out and "density" in out  # the config keys
     assert "Traceback" not in out + result.stderr
+
+
+def test_help_gives_no_timing_figure_for_the_example():
+    """The quick start's time is the README's (measured); --help says only its order."""
+    out = run_cli("--help").stdout
+    example = out.split("Example (", 1)[1].split("python -m train", 1)[0]
+    assert "seconds on a laptop CPU" in example and "README.md" in example, example
+    assert "minute" not in example, example
+    assert not re.search(r"\d\s*(s|sec|seconds|min)\b", example), example
+
+
+def test_a_typo_in_a_section_name_names_the_key_once_and_the_closest_one(tmp_path):
+    result = run_cli("--workdir", str(tmp_path / "run"), "--config.compresion.variant=ef")
+    assert_user_error(result, "compresion")
+    assert result.stderr.strip() == (
+        "error: Unknown config key 'compresion' in --config.compresion.variant; did you mean "
+        "'compression'? --help lists the config keys."
+    )
+
+
+def test_a_typo_in_a_key_suggests_the_closest_one(tmp_path):
+    result = run_cli("--workdir", str(tmp_path / "run"), "--config.compression.densty=0.1")
+    assert_user_error(result, "'compression.densty'; did you mean 'compression.density'?")
+
+
+@pytest.mark.parametrize(
+    "arg, key",
+    [
+        ("--config.memory.budget=abc", "memory.budget='abc'"),
+        ("--config.compression.variant=foo", "compression.variant='foo'"),
+    ],
+)
+def test_config_errors_come_before_jax_is_imported(tmp_path, arg, key):
+    """The program in a fresh process reports the mistake without importing jax."""
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('jax imported:', 'jax' in sys.modules))\n"
+        f"sys.argv = ['train', '--workdir', {str(tmp_path / 'run')!r}, {arg!r}]\n"
+        "from train.main import cli\n"
+        "cli()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=program_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_user_error(result, key)
+    assert "e.g. '12GiB'" in result.stderr or "memory" not in key  # the accepted forms
+    assert result.stdout.strip() == "jax imported: False"
 
 
 def test_helpfull_shows_the_usage_too():

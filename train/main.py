@@ -3,7 +3,8 @@
 Usage:
   python -m train --config=CONFIG.py --workdir=DIR [--config.KEY=VALUE ...]
 
-Example (the embedded digits job on 8 simulated CPU workers, about a minute):
+Example (the embedded digits job on 8 simulated CPU workers, seconds on a laptop CPU;
+README.md's quick start):
   python -m train --config configs/default.py --workdir /tmp/rr_digits \\
       --config.compression.variant=w+2d --config.compression.density=0.001
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import textwrap
 import traceback
@@ -161,6 +163,26 @@ def _raised_in(error: BaseException, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p) for p in prefixes)
 
 
+def _unknown_key_message(error: BaseException) -> str:
+    """One sentence for ml_collections' KeyError on a ``--config.A.B`` whose ``A`` is unknown.
+
+    Its message is ``'A'``, optionally followed by ``Did you mean "B" instead of "A"?``
+    (an AttributeError wraps that KeyError).
+    """
+    while error.args and isinstance(error.args[0], BaseException):
+        error = error.args[0]
+    text = str(error.args[0] if error.args else error)
+    match = re.fullmatch(r"""\s*'([^'\s]+)'\s*(?:Did you mean "([^"]+)".*)?""", text, re.DOTALL)
+    if match is None:  # not a key name but ml_collections' explanation
+        return f"--config: {text}"
+    key, suggestion = match.groups()
+    overrides = [a.split("=", 1)[0] for a in sys.argv if a.startswith("--config.")]
+    named = [a for a in overrides if key in a.split(".")[1:]]
+    where = named[0] if named else "a --config.KEY flag"
+    hint = f"; did you mean '{suggestion}'?" if suggestion else ";"
+    return f"Unknown config key '{key}' in {where}{hint} --help lists the config keys."
+
+
 @contextlib.contextmanager
 def _user_errors():
     """Turns mistakes of the user into one line and exit status 2; bugs keep tracebacks."""
@@ -172,15 +194,7 @@ def _user_errors():
         _fail(f"{error} (see --help).")
     except (KeyError, AttributeError) as error:
         if _raised_in(error, ("ml_collections.",)):  # --config.A.B=1 where A does not exist
-            key = str(error.args[0] if error.args else error).strip("'\"")
-            if " " in key:  # not a key name but ml_collections' explanation
-                _fail(f"--config: {key}")
-            overrides = [a.split("=", 1)[0] for a in sys.argv if a.startswith("--config.")]
-            named = [a for a in overrides if key in a.split(".")[1:]]
-            _fail(
-                f"Unknown config key '{key}' in {named[0] if named else 'a --config.KEY flag'}; "
-                "--help lists the config keys."
-            )
+            _fail(_unknown_key_message(error))
         raise
     except (ValueError, OSError, ImportError) as error:
         if _raised_in(error, _INPUT_CHECKING_MODULES):
