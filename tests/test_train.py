@@ -337,6 +337,26 @@ def test_config_guard_modes_are_the_library_modes():
     assert config_schema.WEIGHT_UPDATE_ORDERS == rr.parallel.WEIGHT_UPDATE_ORDERS
 
 
+@pytest.mark.parametrize(
+    "budget",
+    [
+        *("12GiB", "8 GB", "1.5gib", "12884901888", " 512MiB ", 1024, 2048.0, "1e3kb"),
+        *("abc", "60%", "12G", "0", "-1GiB", 0.5, float("nan"), True, None, "1 kb/s"),
+    ],
+)
+def test_config_memory_budget_is_read_as_the_planner_reads_it(budget):
+    """config_schema's jax-free copy: the same bytes, or the same error."""
+    from resireduce_jax import planner
+
+    def read(parse):
+        try:
+            return parse(budget)
+        except ValueError as error:
+            return str(error)
+
+    assert read(config_schema.parse_memory_budget) == read(planner.parse_budget)
+
+
 def test_strict_guard_mode_names_the_gradient(tmp_path):
     """compression.guard_mode='strict' decides from the gradients, and says which one."""
     config = small_digits(

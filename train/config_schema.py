@@ -10,6 +10,8 @@ or anything is compiled.
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import re
 from typing import Any
@@ -26,6 +28,7 @@ __all__ = [
     "check_processes",
     "local_devices",
     "model_overrides",
+    "parse_memory_budget",
     "parse_variant",
     "validate",
 ]
@@ -220,8 +223,10 @@ def _known_keys(
     for key in config:
         path = f"{prefix}{key}"
         if key not in reference:
+            close = difflib.get_close_matches(key, list(reference.keys()), 1, 0.75)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else "."
             raise ConfigError(
-                f"Unknown config key '{path}'. Valid keys here: {sorted(reference.keys())}."
+                f"Unknown config key '{path}'{hint} Valid keys here: {sorted(reference.keys())}."
             )
         value, ref = config[key], reference[key]
         if isinstance(ref, ml_collections.ConfigDict) and path not in free_form:
@@ -423,10 +428,8 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         except ValueError as error:
             raise ConfigError(f"remat.budget={c.remat.budget!r}: {error}") from None
     if c.memory.budget is not None:
-        from resireduce_jax.planner import parse_budget
-
         try:
-            parse_budget(c.memory.budget)
+            parse_memory_budget(c.memory.budget)
         except ValueError as error:
             raise ConfigError(f"memory.budget={c.memory.budget!r}: {error}") from None
         _check(
@@ -447,6 +450,58 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"{c.compilation_cache_dir!r}.",
     )
     _check(c.residual_analysis.bins >= 2, "residual_analysis.bins must be >= 2.")
+
+
+# resireduce_jax.planner.parse_budget, spelled out so that a bad memory.budget is reported
+# before jax is imported (tests/test_train.py checks that the two agree).
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)")
+_EXAMPLES = "e.g. '12GiB', '8 GB', '512MiB' or a number of bytes such as 12884901888"
+
+
+def parse_memory_budget(budget: int | float | str) -> int:
+    """``memory.budget`` in bytes, as :func:`resireduce_jax.planner.parse_budget` reads it.
+
+    Raises ValueError with the accepted forms for anything it does not read.
+    """
+    if isinstance(budget, bool):
+        raise ValueError(f"a memory budget cannot be a bool, got {budget!r}; {_EXAMPLES}.")
+    if isinstance(budget, int):
+        value = float(budget)
+    elif isinstance(budget, float):
+        if not math.isfinite(budget) or budget != int(budget):
+            raise ValueError(
+                f"a memory budget in bytes must be a whole number, got {budget!r}; {_EXAMPLES}."
+            )
+        value = budget
+    elif isinstance(budget, str):
+        text = budget.strip().lower()
+        match = _SIZE.fullmatch(text)
+        if match is None or (match.group(2) and match.group(2) not in _UNITS):
+            hint = ""
+            if text.endswith("%"):
+                hint = " (percentages are for remat.budget; the planner needs a size)"
+            elif match is not None and match.group(2) in ("k", "m", "g", "t", "kb/s"):
+                hint = f" ('{match.group(2)}' is ambiguous: write GB or GiB)"
+            raise ValueError(f"cannot read the memory budget {budget!r}{hint}; {_EXAMPLES}.")
+        value = float(match.group(1)) * _UNITS.get(match.group(2) or "b", 1)
+    else:
+        raise ValueError(
+            f"a memory budget is an int or a string, got {type(budget).__name__}; {_EXAMPLES}."
+        )
+    if not value >= 1:
+        raise ValueError(f"a memory budget must be at least 1 byte, got {budget!r}; {_EXAMPLES}.")
+    return int(value)
 
 
 def local_devices(config: ml_collections.ConfigDict) -> int | None:
