@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import chex
@@ -125,6 +126,27 @@ def test_selection_scope_reaches_every_exchange(variant):
         c.compression.selection_scope = scope
         sent[scope] = factory.build_exchange(c.compression).bytes_sent(params, 1)
     assert sent == {"leaf": 8 * (151 + 3 * 99), "global": 8 * 451}
+
+
+def test_the_docs_list_every_variant_the_config_accepts():
+    """docs/training.md's ``compression.variant`` ∈ list is the schema's, and each builds."""
+    from train import factory
+
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        (listed,) = re.findall(r"`compression\.variant` ∈ `([^`]+)`", f.read())
+    assert listed.split() == list(config_schema.VARIANTS)
+    for variant in listed.split():
+        assert factory.build_exchange(small_digits().compression, variant=variant) is not None
+
+
+def test_the_docs_say_what_the_memory_report_compares_by_default():
+    """The baselines' compiled peaks are off by default, and the page names the key."""
+    assert config_schema.base_config().memory.compare_baselines is False
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        (paragraph,) = re.findall(r"\nAt start-up the program prints .*?\n\n", f.read(), re.DOTALL)
+    paragraph = " ".join(paragraph.split())
+    assert "`--config.memory.compare_baselines=true` adds plain error feedback's" in paragraph
+    assert "off by default" in paragraph, paragraph
 
 
 def test_variant_vocabulary_and_optimizer_registry():
@@ -413,6 +435,21 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
     assert -1 <= group["cosine_min"] <= group["cosine_mean"] <= group["cosine_max"] <= 1
     assert group["mean_error"] > 0
     assert "Residual sharing at step 12" in out
+
+
+def test_a_finished_run_started_again_prints_its_final_eval(tmp_path, capsys):
+    """Re-running the command of a finished run trains nothing and reports its figures."""
+    config, workdir = small_digits(num_steps=2), str(tmp_path / "run")
+    first = train.train_and_evaluate(config, workdir)
+    capsys.readouterr()
+    again = train.train_and_evaluate(config, workdir)
+    out = capsys.readouterr().out
+    assert again.step == 2 and "already complete at step 2" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("Final eval:")]
+    assert line == "Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in first.eval.items())
+    assert first.eval and again.eval == first.eval and again.train == first.train
+    with open(os.path.join(workdir, train.SUMMARY_FILE)) as f:
+        assert json.load(f)["eval"] == first.eval
 
 
 def test_a_run_compiles_the_density_phases_it_reaches(tmp_path, capsys):

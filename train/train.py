@@ -716,6 +716,15 @@ def train_and_evaluate(
         checkpointer.close()
         writer.close()
     analysis.finish()
+    if step == start == run.total_steps:  # a finished run started again: nothing to train
+        if is_main:
+            print(
+                f"The run in {workdir} was already complete at step {step}; evaluating its "
+                "final checkpoint.",
+                flush=True,
+            )
+        last_eval = evaluate(run, eval_fn, params, model_state)
+        last_train = _last_train_metrics(workdir, step)
     digest = params_digest(params)
     if jax.process_count() > 1:  # every process must hold the very same replica
         multihost_utils.assert_equal(
@@ -740,6 +749,18 @@ def train_and_evaluate(
         print("Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()), flush=True)
         print(_bytes_line(summary.communication), flush=True)
     return summary
+
+
+def _last_train_metrics(workdir: str, step: int) -> dict[str, float]:
+    """The training metrics ``metrics.jsonl`` logged last, up to ``step`` ({} if none)."""
+    try:
+        records = metrics_lib.read_metrics(workdir)
+    except OSError:
+        return {}
+    train = [r for r in records if r["split"] == "train" and r["step"] <= step]
+    if not train:
+        return {}
+    return {k: v for k, v in train[-1].items() if k not in ("step", "split", "skipped_steps")}
 
 
 def communication_summary(run: Run, abstract_params, steps: int) -> dict[str, Any]:
