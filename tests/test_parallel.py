@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,48 @@ def test_lossless_step_equals_full_batch_gradient_descent():
         grads = jax.grad(_loss)(ref, batch)  # one device, whole batch
         ref = jax.tree.map(lambda p, g: p - 0.5 * g, ref, grads)
     chex.assert_trees_all_close(jax.device_get(params), jax.device_get(ref), rtol=2e-5, atol=2e-6)
+
+
+def test_clipping_before_the_exchange_clips_each_workers_local_gradient():
+    """chain(clip_by_global_norm(c), exchange, sgd): each worker clips its own gradient by
+    its own global norm, before compression; the exchange averages the clipped ones."""
+    mesh = rr.parallel.make_mesh(W)
+    clip, lr = 0.05, 0.5
+    tx = optax.chain(
+        optax.clip_by_global_norm(clip),
+        rr.error_feedback(rr.compressors.none(), min_size=MIN_SIZE),
+        optax.sgd(lr),
+    )
+    step = rr.parallel.data_parallel_step(_loss, tx, mesh)
+    params, opt_state = step.init(_mlp_params())
+    batch = _batch(0)
+    params, _, _ = step(params, opt_state, rr.parallel.shard_batch(batch, mesh))
+    clipped, norms = [], []
+    per_worker = len(batch["y"]) // W
+    for w in range(W):  # worker w's local gradient, on one device, clipped by numpy
+        rows = slice(w * per_worker, (w + 1) * per_worker)
+        local = {k: v[rows] for k, v in batch.items()}
+        grads = jax.tree.map(np.asarray, jax.grad(_loss)(_mlp_params(), local))
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in jax.tree.leaves(grads)))
+        norms.append(norm)
+        clipped.append(jax.tree.map(lambda g, n=norm: g * min(1.0, clip / n), grads))
+    assert min(norms) > clip  # every worker's gradient is clipped
+    mean = jax.tree.map(lambda *gs: np.mean(gs, axis=0), *clipped)
+    expected = jax.tree.map(lambda p, g: p - lr * g, _mlp_params(), mean)
+    chex.assert_trees_all_close(jax.device_get(params), expected, rtol=1e-5, atol=1e-6)
+    # Not what clipping after the exchange gives: the mean (here the full batch's
+    # gradient) clipped by its own norm.
+    full = jax.tree.map(np.asarray, jax.grad(_loss)(_mlp_params(), batch))
+    full_norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in jax.tree.leaves(full)))
+    scaled = jax.tree.map(lambda p, g: p - lr * g * min(1.0, clip / full_norm), _mlp_params(), full)
+    assert not np.allclose(jax.device_get(params)["out"]["kernel"], scaled["out"]["kernel"])
+
+
+def test_the_exchange_page_says_what_clipping_before_the_exchange_does():
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "exchange.md").read_text()
+    section = " ".join(page.split("## Where the transforms run", 1)[1].split("\n## ", 1)[0].split())
+    assert "`optax.chain(optax.clip_by_global_norm(c), exchange, optimizer)`" in section
+    assert "by its own local norm, before compression" in section, section
 
 
 def _compiled_step(compressor):
