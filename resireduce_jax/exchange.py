@@ -94,6 +94,7 @@ from resireduce_jax.compressors.base import (
     Reduced,
     axis_size,
     check_axis_bound,
+    check_local_gradients,
     dense_mean,
     ordered,
 )
@@ -548,6 +549,7 @@ class _Exchange:
         """
         del params, extra_args
         check_axis_bound(self.worker_axes)
+        check_local_gradients(updates, self.worker_axes, self.name)
         local_size = self._local_size()
         plan = self.plan(updates, local_size=local_size)
         units = plan.layout.units
@@ -1126,14 +1128,35 @@ def store_residuals(state: ExchangeState, plan: ExchangePlan) -> dict[str, Any]:
     is its own, as the same transform keeps it on the unstacked pytree. Arrays have a
     leading worker axis (a state gathered from the workers, or restored).
     """
-    out = {p.group.label: state.residuals[p.group.label] for p in plan.loose}
+    out = {}
+    for p in plan.loose:
+        value = state.residuals[p.group.label]
+        like = jax.eval_shape(functools.partial(stores.init_store, p))
+        _check_worker_axis(p.group.label, value, like)
+        out[p.group.label] = value
     for batch in plan.batches:
         if batch.plan.kind == "none":
             continue
         value = state.residuals[batch.label]
+        like = jax.eval_shape(functools.partial(stores.init_batch, batch))
+        _check_worker_axis(batch.label, value, like)
         for n, store in enumerate(batch.stores):
             out[store.group.label] = jax.tree.map(lambda x, n=n: x[:, n], value)
     return out
+
+
+def _check_worker_axis(label: str, value: Any, like: Any) -> None:
+    """Raises unless every array of a stored residual is ``like`` behind a worker axis."""
+    for x, want in zip(jax.tree.leaves(value), jax.tree.leaves(like), strict=True):
+        if tuple(np.shape(x)[1:]) != tuple(want.shape):
+            raise ValueError(
+                f"The residual of store '{label}' has shape {tuple(np.shape(x))}, but a "
+                f"worker's is {tuple(want.shape)} and the state must hold them on a leading "
+                "worker axis, [workers, *shape]. A state built as shard_map(tx.init, "
+                "out_specs=specs) puts the workers' residuals end to end instead: build it "
+                "with resireduce_jax.parallel.init_state(tx, params, mesh) (or "
+                "DataParallelStep.init), as docs/exchange.md, 'Your own shard_map step', shows."
+            )
 
 
 def _state_residuals(plan: ExchangePlan, values: dict[str, Any]) -> dict[str, Any]:

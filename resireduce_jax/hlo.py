@@ -19,6 +19,7 @@ __all__ = [
     "branch_collectives",
     "collectives",
     "copies",
+    "loop_collectives",
     "peak_memory",
 ]
 
@@ -146,6 +147,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _CONDITIONAL = re.compile(r"\sconditional\(")
+_WHILE = re.compile(r"\swhile\(")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
 
 
 def _computations(text: str) -> dict[str, list[str]]:
@@ -172,15 +175,7 @@ def _called(line: str) -> list[str]:
     return names
 
 
-def branch_collectives(compiled_or_text: Any) -> list[list[list[Collective]]]:
-    """The collectives of every ``conditional`` of a compiled program, branch by branch.
-
-    One entry per conditional instruction (in program text order), holding one list per
-    branch (``lax.switch`` order) of the collectives that branch runs, including those
-    of the computations it calls (loops, fusions, nested calls). A density schedule's
-    phases are such branches (:mod:`resireduce_jax.compressors.schedule`).
-    """
-    comps = _computations(_text(compiled_or_text))
+def _reachable_collectives(comps: dict[str, list[str]]):
     own = {name: collectives("\n".join(lines)) for name, lines in comps.items()}
 
     def reachable(name: str, seen: set[str]) -> list[Collective]:
@@ -193,6 +188,33 @@ def branch_collectives(compiled_or_text: Any) -> list[list[list[Collective]]]:
                 out += reachable(callee, seen)
         return out
 
+    return lambda name: reachable(name, set())
+
+
+def loop_collectives(compiled_or_text: Any) -> list[list[Collective]]:
+    """The collectives of every ``while`` loop's body of a compiled program: one list per
+    loop (in program text order), including those of the computations the body calls.
+    A collective listed here runs once per iteration."""
+    comps = _computations(_text(compiled_or_text))
+    reachable = _reachable_collectives(comps)
+    return [
+        reachable(m.group(1))
+        for lines in comps.values()
+        for line in lines
+        if _WHILE.search(line) and (m := _BODY.search(line))
+    ]
+
+
+def branch_collectives(compiled_or_text: Any) -> list[list[list[Collective]]]:
+    """The collectives of every ``conditional`` of a compiled program, branch by branch.
+
+    One entry per conditional instruction (in program text order), holding one list per
+    branch (``lax.switch`` order) of the collectives that branch runs, including those
+    of the computations it calls (loops, fusions, nested calls). A density schedule's
+    phases are such branches (:mod:`resireduce_jax.compressors.schedule`).
+    """
+    comps = _computations(_text(compiled_or_text))
+    reachable = _reachable_collectives(comps)
     result = []
     for lines in comps.values():
         for line in lines:
@@ -200,7 +222,7 @@ def branch_collectives(compiled_or_text: Any) -> list[list[list[Collective]]]:
                 branches = [
                     n.strip().lstrip("%") for g in _CALLED_LIST.findall(line) for n in g.split(",")
                 ]
-                result.append([reachable(b, set()) for b in branches if b])
+                result.append([reachable(b) for b in branches if b])
     return result
 
 

@@ -41,6 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resireduce_jax import read_order, varying_dependence
+from resireduce_jax.compressors.base import SummedGradientsError, varying_as
 from resireduce_jax.nonfinite import SkipNonFiniteState, value_and_guarded_grad
 
 PyTree = Any
@@ -54,6 +55,7 @@ __all__ = [
     "DataParallelStep",
     "abstract_state",
     "data_parallel_step",
+    "init_state",
     "make_mesh",
     "replicated",
     "shard_batch",
@@ -126,7 +128,14 @@ def make_mesh(
 
 
 def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
-    """Places every leaf of ``tree`` on all devices of ``mesh`` (``P()``)."""
+    """Copies every leaf of ``tree`` onto all devices of ``mesh`` (``P()``).
+
+    The result never shares a buffer with ``tree``, so a step that donates it leaves the
+    caller's arrays intact.
+    """
+    # device_put keeps the buffer of a leaf that already sits on one of the mesh's devices
+    # (whatever its may_alias says), so jax.Array leaves are copied first.
+    tree = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
@@ -272,6 +281,23 @@ def state_partition_specs(
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
     flags, treedef = jax.tree.flatten(jax.tree.map(lambda _: False, jax.eval_shape(init, sharded)))
     axes = frozenset(_axes(axis_name))
+    try:
+        flags = _settle(probe, flags, treedef, sharded, mesh, axis_name, updates)
+    except (TypeError, SummedGradientsError) as e:
+        # A transform that feeds state to the exchange (optax.MultiSteps' accumulated
+        # gradients), or a lax.cond that passes state through in one branch and updates it
+        # in the other, fails to trace until the per-worker leaves are known. Find them by
+        # dataflow on an unchecked trace, then check them.
+        if isinstance(e, TypeError) and "branches must have equal output types" not in str(e):
+            raise
+        flags = _unchecked_per_worker(tx, sharded, mesh, axis_name, axes)
+        flags = _settle(probe, flags, treedef, sharded, mesh, axis_name, updates)
+    return _specs_from_flags(treedef.unflatten(flags), axis_name)
+
+
+def _settle(probe, flags, treedef, sharded, mesh, axis_name, updates) -> list[bool]:
+    """The fixed point of "per-worker iff its new value varies", from ``flags`` up."""
+    axes = frozenset(_axes(axis_name))
     for _ in range(8):  # monotone: ends after at most (number of state leaves) rounds
         updates.clear()
         fn = jax.shard_map(
@@ -293,7 +319,33 @@ def state_partition_specs(
         flags = new_flags
         if not any(r and not f for r, f in zip(reached, flags, strict=True)):
             break
-    return _specs_from_flags(treedef.unflatten(flags), axis_name)
+    return flags
+
+
+def _unchecked_per_worker(tx, sharded, mesh, axis_name, axes) -> list[bool]:
+    """Per-worker state leaves by dataflow from the local gradients, on one trace of the
+    update under ``check_vma=False`` (no axis types, so no branch types to match)."""
+    traced: list[ClosedJaxpr] = []
+
+    def probe(params):
+        state = tx.init(params)
+        grads = jax.tree.map(jnp.zeros_like, params)
+        traced.append(jax.make_jaxpr(lambda g, s: tx.update(g, s, params)[1])(grads, state))
+        return jax.tree.map(lambda x: x[None], state)
+
+    fn = jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)
+    jax.eval_shape(fn, sharded)
+    (update,) = traced
+    num_grads = len(jax.tree.leaves(sharded))
+    flags = [False] * (len(update.jaxpr.invars) - num_grads)
+    while True:  # monotone in the flags
+        reached = varying_dependence.reached_outputs(
+            update.jaxpr, [True] * num_grads + flags, axes, unchecked=True
+        )
+        grown = [a or b for a, b in zip(flags, reached, strict=True)]
+        if grown == flags:
+            return flags
+        flags = grown
 
 
 def abstract_state(
@@ -322,6 +374,29 @@ def abstract_state(
         specs,
     )
     return specs, state
+
+
+def init_state(
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    mesh: Mesh,
+    axis_name: AxisName = "data",
+) -> tuple[PyTree, PyTree]:
+    """``(state specs, state)`` of ``tx`` for ``params``, for a step of your own.
+
+    The state has the layout of :meth:`DataParallelStep.init`: per-worker leaves on a
+    leading worker axis sharded over ``axis_name`` (``[workers, *shape]``), all others
+    replicated. Pass the specs as the state's ``in_specs`` and ``out_specs`` of your
+    ``shard_map`` step, and inside it remove and restore the worker axis with
+    :func:`unstack_per_worker` and :func:`stack_per_worker` (docs/exchange.md, "Your own
+    shard_map step"). :func:`resireduce_jax.exchange.leaf_residuals` and
+    :func:`~resireduce_jax.exchange.resize_workers` read this layout.
+    """
+    specs = state_partition_specs(tx, params, mesh, axis_name)
+    init = jax.shard_map(
+        lambda p: stack_per_worker(tx.init(p), specs), mesh=mesh, in_specs=P(), out_specs=specs
+    )
+    return specs, jax.jit(init)(replicated(params, mesh))
 
 
 def _pmean_floats(tree: PyTree, axis_name: AxisName) -> PyTree:
@@ -354,6 +429,61 @@ def _assert_invariant(updates: PyTree, axis_name: AxisName) -> None:
             )
 
 
+def _accumulate(value_and_grad, params, model_state, batch, rng, *, steps, guarded, axis):
+    """``value_and_grad(model_state, batch, rng)(params)``'s output, for the mean gradient
+    of ``steps`` micro-batches.
+
+    This worker's batch is split along its leading axis into ``steps`` equal micro-batches,
+    whose gradients are summed in a ``lax.scan`` (in float32 at least) and averaged: one
+    exchange follows for all of them. Model state threads through the micro-batches in
+    order, the rng is folded with the micro-batch index, the loss and float metrics are
+    averaged, and a guarded step's ``loss_ok`` holds for every micro-batch.
+    """
+
+    def split(x):
+        rows = np.shape(x)[0] if np.ndim(x) else 0
+        if rows == 0 or rows % steps:
+            raise ValueError(
+                f"accumulation_steps={steps}: a worker's batch leaf of shape {np.shape(x)} "
+                f"cannot be split into {steps} equal micro-batches. Give each worker a "
+                f"multiple of {steps} rows."
+            )
+        return x.reshape(steps, rows // steps, *np.shape(x)[1:])
+
+    micro = jax.tree.map(split, batch)
+    zeros = jax.tree.map(
+        lambda p: varying_as(jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), p),
+        params,
+    )
+    if model_state is not None:  # a worker's statistics differ from the others' in the loop
+        model_state = jax.tree.map(
+            lambda x: lax.pcast(x, axis, to="varying") if not _varies(jax.typeof(x), axis) else x,
+            model_state,
+        )
+
+    def body(carry, xs):
+        total, model_state, ok = carry
+        mb, i = xs
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        out = value_and_grad(model_state, mb, key)(params)
+        (loss, (new_model_state, aux)), grads = out[:2]
+        if guarded:
+            ok = jnp.logical_and(ok, out[2])
+        total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+        model_state = model_state if new_model_state is None else new_model_state
+        return (total, model_state, ok), (loss, aux)
+
+    init = (zeros, model_state, jnp.array(True))
+    (total, model_state, ok), (losses, auxs) = lax.scan(body, init, (micro, jnp.arange(steps)))
+    grads = jax.tree.map(lambda t, p: (t / steps).astype(p.dtype), total, params)
+
+    def mean(x):
+        return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1]
+
+    head = (jnp.mean(losses), (model_state, jax.tree.map(mean, auxs)))
+    return (head, grads, ok) if guarded else (head, grads)
+
+
 @dataclasses.dataclass
 class DataParallelStep:
     """A jitted, donated, ``shard_map``-ped train step and its state layout.
@@ -382,6 +512,7 @@ class DataParallelStep:
     weight_update_order: str = "last_read"
     backward_order: str = "streamed"
     max_steps_in_flight: int | None = None
+    accumulation_steps: int = 1
     state_specs: PyTree = None
     _init: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     _steps: dict[int | None, Callable[..., Any]] = dataclasses.field(
@@ -406,6 +537,9 @@ class DataParallelStep:
 
     def init(self, params: PyTree) -> tuple[PyTree, PyTree]:
         """Replicates ``params`` and builds the optimizer state inside ``shard_map``.
+
+        ``params`` is copied, never consumed: the step donates the returned params, and the
+        caller's arrays stay valid.
 
         Returns:
           ``(params, opt_state)`` as global arrays: params replicated; per-worker state
@@ -437,38 +571,47 @@ class DataParallelStep:
             if rng is not None:
                 rng = jax.random.fold_in(rng, lax.axis_index(axis))
 
-            def objective(p):
-                args = [p]
-                if self.with_model_state:
-                    args.append(model_state)
-                args.append(batch)
-                if self.with_rng:
-                    args.append(rng)
-                out = self.loss_fn(*args)
-                if not self.has_aux:
-                    out = (out, {})
-                loss, aux = out
-                if self.with_model_state:
-                    new_model_state, aux = aux
-                else:
-                    new_model_state = None
-                return loss, (new_model_state, aux)
+            def value_and_grad(model_state, batch, rng):
+                def objective(p):
+                    args = [p]
+                    if self.with_model_state:
+                        args.append(model_state)
+                    args.append(batch)
+                    if self.with_rng:
+                        args.append(rng)
+                    out = self.loss_fn(*args)
+                    if not self.has_aux:
+                        out = (out, {})
+                    loss, aux = out
+                    if self.with_model_state:
+                        new_model_state, aux = aux
+                    else:
+                        new_model_state = None
+                    return loss, (new_model_state, aux)
 
-            if guarded:
-                # The guard's "loss" mode decides between the forward and the backward
-                # pass (docs/design.md, "The non-finite guard"); other modes ignore it.
-                grad_fn = value_and_guarded_grad(objective, axis, has_aux=True)
-            else:
-                grad_fn = jax.value_and_grad(objective, has_aux=True)
-            streamed = self.backward_order == "streamed"
-            if self.weight_update_order == "last_read" or streamed:
-                out, partners = read_order.call_with_read_partners(
-                    grad_fn, local_params, lambda out: out[1], stream_backward=streamed
+                if guarded:
+                    # The guard's "loss" mode decides between the forward and the backward
+                    # pass (docs/design.md, "The non-finite guard"); other modes ignore it.
+                    return value_and_guarded_grad(objective, axis, has_aux=True)
+                return jax.value_and_grad(objective, has_aux=True)
+
+            partners = None
+            if self.accumulation_steps > 1:
+                micro = functools.partial(
+                    _accumulate, steps=self.accumulation_steps, guarded=guarded, axis=axis
                 )
-                if self.weight_update_order != "last_read":
-                    partners = None
+                out = micro(value_and_grad, local_params, model_state, batch, rng)
             else:
-                out, partners = grad_fn(local_params), None
+                grad_fn = value_and_grad(model_state, batch, rng)
+                streamed = self.backward_order == "streamed"
+                if self.weight_update_order == "last_read" or streamed:
+                    out, partners = read_order.call_with_read_partners(
+                        grad_fn, local_params, lambda out: out[1], stream_backward=streamed
+                    )
+                    if self.weight_update_order != "last_read":
+                        partners = None
+                else:
+                    out = grad_fn(local_params)
             if guarded:
                 (loss, (new_model_state, aux)), grads, loss_ok = out
                 updates, opt_state = self.tx.update(
@@ -582,6 +725,7 @@ def data_parallel_step(
     weight_update_order: str = "last_read",
     backward_order: str = "streamed",
     max_steps_in_flight: int | None = None,
+    accumulation_steps: int = 1,
 ) -> DataParallelStep:
     """Builds the jitted, donated data-parallel train step over ``mesh``.
 
@@ -631,6 +775,15 @@ def data_parallel_step(
         :data:`CPU_STEPS_IN_FLIGHT` (2) on the CPU backend, where more queued steps can
         starve a collective's rendezvous until it aborts the process (docs/design.md,
         "CPU collectives and queued steps"), and unbounded on GPU and TPU.
+      accumulation_steps: ``k``, gradient accumulation: each call splits every worker's
+        batch along its leading axis into ``k`` equal micro-batches, computes their
+        gradients one after the other (a ``lax.scan``: the activations of one micro-batch
+        at a time) and hands their mean to ``tx``: one exchange and one optimizer step
+        per ``k`` micro-batches. Model state threads through the micro-batches, each gets
+        its own rng (folded with its index), the metrics are their means, and a guarded
+        step is skipped if any micro-batch's loss is non-finite. The gradients then exist
+        only after the last micro-batch, so ``weight_update_order`` and
+        ``backward_order`` have nothing to order and are ignored.
 
     With a guarded ``tx`` (a :class:`~resireduce_jax.SkipNonFiniteState` in its state) the
     step takes its gradients from :func:`~resireduce_jax.nonfinite.value_and_guarded_grad`
@@ -668,6 +821,15 @@ def data_parallel_step(
             f"max_steps_in_flight={max_steps_in_flight!r}: give a positive int, or None for "
             "the backend's default."
         )
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int | np.integer)
+        or accumulation_steps < 1
+    ):
+        raise ValueError(
+            f"accumulation_steps={accumulation_steps!r}: give a positive int, the number of "
+            "micro-batches per exchange (1: no accumulation)."
+        )
     workers = {axis_name, local_axis} - {None}
     if set(mesh.axis_names) != workers:
         raise ValueError(
@@ -688,4 +850,5 @@ def data_parallel_step(
         weight_update_order=weight_update_order,
         backward_order=backward_order,
         max_steps_in_flight=max_steps_in_flight,
+        accumulation_steps=int(accumulation_steps),
     )

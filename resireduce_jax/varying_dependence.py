@@ -39,6 +39,8 @@ _CALLS = (
     "custom_vjp_call",
 )
 _INVARIANT_COLLECTIVES = ("psum_invariant", "all_gather_invariant")
+# Traced with ``check_vma=False``, a reduction over every worker axis keeps its plain name.
+_UNCHECKED_INVARIANT = ("psum",)
 
 
 def _axes_of(value) -> frozenset[str]:
@@ -58,12 +60,12 @@ def _body(params: dict):
     return None
 
 
-def _equation(eqn, reached: list[bool], worker_axes: frozenset[str]) -> list[bool]:
+def _equation(eqn, reached: list[bool], worker_axes: frozenset[str], unchecked: bool) -> list[bool]:
     """Which of ``eqn``'s outputs depend on its ``reached`` operands."""
     name, params, outs = eqn.primitive.name, eqn.params, len(eqn.outvars)
     if name == "optimization_barrier":
         return list(reached)
-    if name in _INVARIANT_COLLECTIVES:
+    if name in _INVARIANT_COLLECTIVES or (unchecked and name in _UNCHECKED_INVARIANT):
         axes = _axes_of(params.get("axes", params.get("axis_name")))
         if worker_axes <= axes:
             return [False] * outs
@@ -71,14 +73,14 @@ def _equation(eqn, reached: list[bool], worker_axes: frozenset[str]) -> list[boo
     if name in _CALLS:
         body = _body(params)
         if body is not None and len(body.invars) == len(reached):
-            return reached_outputs(body, reached, worker_axes)
+            return reached_outputs(body, reached, worker_axes, unchecked=unchecked)
     if name == "scan":
         body = params["jaxpr"].jaxpr
         consts, carries = params["num_consts"], params["num_carry"]
         carry = list(reached[consts : consts + carries])
         while True:  # a carry reached in one iteration is reached in the next
             inputs = [*reached[:consts], *carry, *reached[consts + carries :]]
-            result = reached_outputs(body, inputs, worker_axes)
+            result = reached_outputs(body, inputs, worker_axes, unchecked=unchecked)
             grown = [a or b for a, b in zip(carry, result[:carries], strict=True)]
             if grown == carry:
                 return result
@@ -88,14 +90,20 @@ def _equation(eqn, reached: list[bool], worker_axes: frozenset[str]) -> list[boo
             return [True] * outs
         result = [False] * outs
         for branch in params["branches"]:
-            branch_reached = reached_outputs(branch.jaxpr, reached[1:], worker_axes)
+            branch_reached = reached_outputs(
+                branch.jaxpr, reached[1:], worker_axes, unchecked=unchecked
+            )
             result = [a or b for a, b in zip(result, branch_reached, strict=True)]
         return result
     return [True] * outs
 
 
 def reached_outputs(
-    jaxpr: Jaxpr, reached_inputs: Sequence[bool], worker_axes: frozenset[str]
+    jaxpr: Jaxpr,
+    reached_inputs: Sequence[bool],
+    worker_axes: frozenset[str],
+    *,
+    unchecked: bool = False,
 ) -> list[bool]:
     """Per output of ``jaxpr``: does it depend on an input marked in ``reached_inputs``?
 
@@ -104,6 +112,9 @@ def reached_outputs(
       reached_inputs: one flag per ``jaxpr.invars``.
       worker_axes: the mesh axes of the workers; a collective reducing over all of them
         ends the dependence.
+      unchecked: ``jaxpr`` was traced under ``shard_map(..., check_vma=False)``, whose
+        values carry no axis types: ``axis_index`` also starts a dependence, and a plain
+        ``psum`` over every worker axis ends one, as a checked trace would type them.
 
     Returns:
       One flag per ``jaxpr.outvars``; ``True`` may be a false alarm, ``False`` is certain.
@@ -116,10 +127,18 @@ def reached_outputs(
         return isinstance(v, Var) and v in reached
 
     for eqn in jaxpr.eqns:
+        if (
+            unchecked
+            and eqn.primitive.name == "axis_index"
+            and _axes_of(eqn.params.get("axis_name")) & worker_axes
+        ):
+            reached.update(eqn.outvars)
+            continue
         operands = [is_reached(v) for v in eqn.invars]
         if not any(operands):
             continue
-        for v, r in zip(eqn.outvars, _equation(eqn, operands, worker_axes), strict=True):
+        outs = _equation(eqn, operands, worker_axes, unchecked)
+        for v, r in zip(eqn.outvars, outs, strict=True):
             if r:
                 reached.add(v)
     return [is_reached(v) for v in jaxpr.outvars]

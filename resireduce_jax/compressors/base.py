@@ -42,10 +42,12 @@ __all__ = [
     "Compressor",
     "DecodedMean",
     "Reduced",
+    "SummedGradientsError",
     "all_gather",
     "axis_size",
     "check_axis_bound",
     "check_int",
+    "check_local_gradients",
     "dense_mean",
     "gathered_mean",
     "indices_within",
@@ -253,8 +255,49 @@ def check_axis_bound(axis_name: str) -> None:
             f"Axis name '{axis_name}' is not bound here. Compressed-communication transforms "
             f"must run inside jax.shard_map(..., mesh=...) over a mesh axis '{axis_name}' or "
             f"inside jax.pmap(..., axis_name='{axis_name}'); "
-            "resireduce_jax.parallel.data_parallel_step builds such a step for you."
+            "resireduce_jax.parallel.data_parallel_step builds such a step for you. "
+            "flax.nnx.Optimizer and flax.training.train_state.TrainState.create call tx "
+            "outside shard_map: see docs/exchange.md, 'Flax NNX and linen TrainState'."
         ) from e
+
+
+class SummedGradientsError(ValueError):
+    """An exchange got gradients that are already equal on every worker
+    (:func:`check_local_gradients`)."""
+
+
+def check_local_gradients(updates: Any, axis_name: str | tuple[str, ...], name: str) -> None:
+    """Refuses gradients that are already the same on every worker of ``axis_name``.
+
+    Inside ``jax.shard_map`` (with its default ``check_vma=True``) every value's type says
+    which mesh axes it varies over. ``jax.grad`` with respect to replicated parameters
+    returns gradients summed over the workers: a dense all-reduce in the backward pass,
+    which the exchange would then compress again (docs/design.md, "Hidden dense
+    all-reduce"). Such an input can only be that mistake. Under ``jax.pmap`` or
+    ``check_vma=False`` the types carry no axes and nothing is checked.
+    """
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    tracked = jax.typeof(lax.axis_index(axes)).manual_axis_type.varying
+    axes = tuple(a for a in axes if a in tracked)
+    if not axes:
+        return
+    flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+    summed = [
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, x in flat
+        if not set(axes) <= jax.typeof(x).manual_axis_type.varying
+    ]
+    if summed:
+        data = axes[0] if len(axes) == 1 else axes
+        shown = ", ".join(f"'{p}'" for p in summed[:3]) + (" ..." if len(summed) > 3 else "")
+        raise SummedGradientsError(
+            f"{name} got gradients that are already equal on every worker over {data!r} "
+            f"({len(summed)} of {len(flat)} leaves: {shown}): jax.grad with respect to "
+            "replicated parameters inside shard_map sums the gradients over the workers, a "
+            "dense all-reduce before the compressed exchange. Differentiate with respect to "
+            f"lax.pcast(params, {data!r}, to='varying') (resireduce_jax.parallel."
+            "data_parallel_step does), as in docs/exchange.md, 'Your own shard_map step'."
+        )
 
 
 def axis_size(axis_name: str | tuple[str, ...]) -> int:
