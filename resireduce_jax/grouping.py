@@ -14,8 +14,10 @@ Leaf paths are spelled ``jax.tree_util.keystr(path, simple=True, separator="/")`
   replaced by ``*``) and the same shape and dtype, in layer order, in runs of at most
   ``max_group_size`` — the paper's "adjacent residual layers of the same type" (Fig. 4).
 * :func:`regex`: ordered ``(pattern, label template)`` rules, in the spirit of
-  big_vision's parameter rules: the first pattern that ``re.fullmatch``-es a path gives
-  the label ``match.expand(template)``; unmatched leaves are singletons.
+  big_vision's parameter rules: the first pattern that ``re.search`` finds in a path
+  gives the label ``match.expand(template)`` (the library's one convention for path
+  rules, :mod:`resireduce_jax.tree_paths`); unmatched leaves are singletons, and a
+  pattern that matches no leaf raises.
 
 :func:`report` prints what was grouped, so users can check it before training.
 """
@@ -25,14 +27,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
 from resireduce_jax import layer_stacks as layer_stacks_lib
-from resireduce_jax.tree_paths import is_compressible, path_to_str
+from resireduce_jax.tree_paths import is_compressible, no_match_hint, path_to_str
 
 PyTree = Any
 Grouping = PyTree | Callable[[PyTree], PyTree]
@@ -40,6 +43,7 @@ Grouping = PyTree | Callable[[PyTree], PyTree]
 __all__ = [
     "Group",
     "GroupingReport",
+    "RegexGrouping",
     "auto",
     "each_leaf",
     "regex",
@@ -120,24 +124,33 @@ def auto(max_group_size: int | None = 3) -> Callable[[PyTree], PyTree]:
 
 def regex(
     rules: Mapping[str, str] | Sequence[tuple[str, str]],
-) -> Callable[[PyTree], PyTree]:
+    *,
+    unmatched: Literal["raise", "warn", "ignore"] = "raise",
+) -> RegexGrouping:
     r"""Labels from ordered ``(pattern, template)`` rules on leaf paths.
 
-    The first pattern that ``re.fullmatch``-es a leaf's path labels it with
-    ``match.expand(template)`` (so ``\1`` or ``\g<name>`` refer to the pattern's groups).
-    Leaves that match no rule are singletons labelled by their path.
+    The first pattern that ``re.search`` finds in a leaf's path labels it with
+    ``match.expand(template)`` (``\g<0>`` is the matched text; ``\1`` or ``\g<name>``
+    the pattern's groups); anchor a pattern (``^...$``) to match whole paths. Leaves that
+    match no rule are singletons labelled by their path. Labels of leaves that travel
+    dense (biases, norms, leaves under ``min_size``) are ignored, so ``r"dense_[123]/"``
+    groups the three kernels and leaves their biases dense.
 
     Example (GPT-2: each weight role across three consecutive layers)::
 
-        regex([(r"h_(\d+)/(attn|mlp)/(\w+)/kernel", r"\2/\3")])   # then split by layer:
-        regex({r"h_([0-2])/(.*)": r"h0-2/\2", r"h_([3-5])/(.*)": r"h3-5/\2"})
+        regex([(r"^h_(\d+)/(attn|mlp)/(\w+)/kernel$", r"/")])   # then split by layer:
+        regex({r"^h_([0-2])/(.*)": r"h0-2/", r"^h_([3-5])/(.*)": r"h3-5/"})
 
     Args:
       rules: an ordered mapping or a sequence of ``(pattern, template)`` pairs.
+      unmatched: what a pattern that matches no leaf of the params does: ``"raise"`` a
+        ``ValueError`` naming it and the closest paths, ``"warn"``, or ``"ignore"``.
 
     Returns:
-      A callable ``params -> labels``.
+      A callable ``params -> labels`` (:class:`RegexGrouping`).
     """
+    if unmatched not in ("raise", "warn", "ignore"):
+        raise ValueError(f"unmatched={unmatched!r}; choose 'raise', 'warn' or 'ignore'.")
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     compiled = []
     for item in items:
@@ -148,21 +161,44 @@ def regex(
             compiled.append((re.compile(pattern), template))
         except re.error as e:
             raise ValueError(f"Invalid grouping pattern {pattern!r}: {e}.") from None
+    return RegexGrouping(tuple(compiled), unmatched)
 
-    def labels(params: PyTree) -> PyTree:
+
+@dataclasses.dataclass(frozen=True)
+class RegexGrouping:
+    """:func:`regex`'s grouping: call it on params (or their shapes) for their labels.
+
+    Attributes:
+      rules: the compiled ``(pattern, template)`` rules, in order.
+      unmatched: ``"raise"``, ``"warn"`` or ``"ignore"`` a pattern that matches no leaf.
+    """
+
+    rules: tuple[tuple[re.Pattern[str], str], ...]
+    unmatched: Literal["raise", "warn", "ignore"] = "raise"
+
+    def __call__(self, params: PyTree) -> PyTree:
         paths, _, treedef = _flatten(params)
         out = []
         for path in paths:
             label = path
-            for pattern, template in compiled:
-                m = pattern.fullmatch(path)
+            for pattern, template in self.rules:
+                m = pattern.search(path)
                 if m:
                     label = m.expand(template)
                     break
             out.append(label)
+        if self.unmatched != "ignore":
+            for pattern, _ in self.rules:
+                if any(pattern.search(p) for p in paths):
+                    continue
+                message = (
+                    f"grouping rule {pattern.pattern!r} matches no leaf, so it groups "
+                    f"nothing. {no_match_hint(pattern.pattern, paths)}"
+                )
+                if self.unmatched == "raise":
+                    raise ValueError(message)
+                warnings.warn(message, stacklevel=2)
         return treedef.unflatten(out)
-
-    return labels
 
 
 @dataclasses.dataclass(frozen=True)

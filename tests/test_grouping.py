@@ -98,3 +98,61 @@ def test_report_counts_bytes_by_hand():
     assert report.dense_leaves == 6 and report.dense_bytes == 6 * 32 * 4
     text = str(report)
     assert "h_0/attn/c_attn/kernel" in text and "5 groups (4 shared)" in text
+
+
+# ------------------------------------------------------------------ path-rule convention
+
+
+def _sds(*shape):
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+def test_regex_searches_paths_so_nnx_value_paths_match():
+    """Flax NNX paths end in /value; a rule is re.search-ed, so it needs no '.*' or '$'."""
+    params = {"layers": {str(i): {"kernel": {"value": _sds(64, 64)}} for i in range(6)}}
+    groups = _groups(params, rr.grouping.regex([(r"layers/[0-3]/kernel", "low")]))
+    assert groups["low"] == [f"layers/{i}/kernel/value" for i in range(4)]
+    assert groups["layers/4/kernel/value"] == ["layers/4/kernel/value"]
+
+
+def test_regex_label_expands_the_search_match():
+    params = _transformer(num_layers=2)
+    labels = rr.grouping.regex([(r"h_\d+/(attn|mlp)", r"\1/\g<0>")])(params)
+    assert labels["h_1"]["mlp"]["c_fc"]["kernel"] == "mlp/h_1/mlp"
+    assert labels["wte"]["embedding"] == "wte/embedding"  # no rule: its path
+
+
+@pytest.mark.parametrize("pattern", [r"layers/[0-3]/kernel$", r"^dense_9/"])
+def test_regex_rule_that_matches_no_leaf_raises(pattern):
+    params = {"layers": {str(i): {"kernel": {"value": _sds(64, 64)}} for i in range(2)}}
+    grouping = rr.grouping.regex([(r"layers/0/", "a"), (pattern, "b")])
+    with pytest.raises(ValueError, match=r"rule '.*' matches no leaf") as info:
+        grouping(params)
+    message = str(info.value)
+    assert repr(pattern) in message and "layers/1/kernel/value" in message  # closest paths
+    assert "re.search" in message and "/value" in message  # the fix
+    with pytest.warns(UserWarning, match="matches no leaf"):
+        rr.grouping.regex([(pattern, "b")], unmatched="warn")(params)
+    labels = rr.grouping.regex([(pattern, "b")], unmatched="ignore")(params)
+    assert jax.tree.leaves(labels) == ["layers/0/kernel/value", "layers/1/kernel/value"]
+
+
+def test_regex_rule_on_layers_with_biases_groups_the_kernels():
+    """Biases travel dense with no residual, so a rule that also labels them groups only
+    the kernels instead of failing for mixing shapes."""
+    params = {f"dense_{i}": {"kernel": _sds(64, 64), "bias": _sds(64)} for i in range(4)}
+    groups = _groups(params, rr.grouping.regex([(r"dense_[123]/", "hidden")]))
+    assert groups == {
+        "hidden": ["dense_1/kernel", "dense_2/kernel", "dense_3/kernel"],
+        "dense_0/kernel": ["dense_0/kernel"],
+    }
+    plans = rr.residual_reduction.plan_stores(
+        params,
+        grouping=rr.grouping.regex([(r"dense_[123]/", "hidden")]),
+        min_size=1000,
+        intra="none",
+    )
+    assert [(p.kind, p.group.label) for p in plans] == [
+        ("leaf", "dense_0/kernel"),
+        ("weighted", "hidden"),
+    ]

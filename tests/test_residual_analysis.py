@@ -71,3 +71,13 @@ def test_the_table_has_a_row_per_group():
     lines = residual_analysis.format_sharing(report).splitlines()
     assert len(lines) == 2 and lines[1].split()[:2] == ["kernel", "2"]
     assert lines[1].split()[-1] == "0.71"
+
+
+def test_rules_for_leaves_left_out_of_the_analysis_are_not_errors():
+    """The analysed leaves are part of the tree the rules were written for: a rule for
+    other layers matches none of them (grouping.regex alone raises for that)."""
+    rules = rr.grouping.regex([(r"block_[01]/", "low"), (r"block_[23]/", "high")])
+    found = residuals([1, 0, 0, 0], [1, 0, 0, 0])
+    with pytest.raises(ValueError, match="'block_\\[23\\]/' matches no leaf"):
+        rules(found)
+    assert set(residual_analysis.sharing_report(found, rules)) == {"low"}

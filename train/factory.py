@@ -159,8 +159,12 @@ def build_compressor(
 
 
 def build_grouping(comp: ml_collections.ConfigDict) -> rr.grouping.Grouping:
+    """The config's grouping. A ``"regex"`` rule that matches no leaf warns rather than
+    raises: a paper config's rules, written for its full depth, stay valid on a model made
+    shallower with ``model.overrides`` (tests/test_configs.py checks that every shipped
+    rule matches its full-size model)."""
     if comp.grouping == "regex":
-        return rr.grouping.regex([tuple(rule) for rule in comp.rules])
+        return rr.grouping.regex([tuple(rule) for rule in comp.rules], unmatched="warn")
     return rr.grouping.auto(comp.max_group_size or None)
 
 

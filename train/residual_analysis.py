@@ -92,6 +92,9 @@ def sharing_report(
       members (1.0: the shared store keeps nothing of a member; 0: it loses nothing).
     """
     report = {}
+    if isinstance(grouping, rr.grouping.RegexGrouping):
+        # The chosen leaves are part of the tree the rules were written for.
+        grouping = dataclasses.replace(grouping, unmatched="ignore")
     # A flat dict keyed by path is a pytree whose leaf paths are those keys.
     for group in rr.grouping.resolve(residuals, grouping, min_size=0):
         if len(group.paths) < 2:
