@@ -34,7 +34,7 @@ from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.exchange import DEFAULT_MIN_SIZE, AxisName, ExchangeTransformation, exchange
 from resireduce_jax.layer_stacks import LayerStacks
 from resireduce_jax.transforms import check_compressor, check_min_size, check_residual_dtype
-from resireduce_jax.tree_paths import leaf_paths
+from resireduce_jax.tree_paths import leaf_paths, no_match_hint
 
 PyTree = Any
 IntraLayers = str | Callable[[str, tuple[int, ...]], bool]
@@ -108,8 +108,6 @@ def plan_stores(
     if inter == "none":
         grouping = grouping_lib.each_leaf()
     groups = grouping_lib.resolve(params, grouping, min_size)
-    paths = leaf_paths(params)
-    leaves = jax.tree.leaves(params)
     total = sum(g.size * len(g.members) for g in groups)
     wants_intra = _intra_predicate(intra_layers, total) if intra != "none" else None
 
@@ -119,7 +117,7 @@ def plan_stores(
     col_ratio = _check_ratio("col_ratio", col_ratio)
 
     if wants_intra is not None and intra_layers != "auto":
-        _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_size)
+        wants_intra = _usable_intra(wants_intra, params, groups, intra_layers, min_size)
 
     plans = []
     for g in groups:
@@ -147,35 +145,40 @@ def plan_stores(
     return plans
 
 
-def _check_intra_matches(wants_intra, paths, leaves, groups, intra_layers, min_size):
-    """Explicit ``intra_layers`` must select compressed singleton leaves with ndim >= 2."""
-    shapes = [tuple(np.shape(x)) for x in leaves]
-    matched = [(p, s) for p, s in zip(paths, shapes, strict=True) if wants_intra(p, s)]
-    if not matched:
+def _usable_intra(wants_intra, params, groups, intra_layers, min_size):
+    """``intra_layers`` narrowed to the leaves it can reduce: compressed (so ``ndim >= 2``)
+    singleton leaves. Vectors and leaves under ``min_size`` it also matches travel dense
+    and are skipped; a compressed leaf in a shared group raises (the grouping wins, §4.3);
+    so does a rule that selects no usable leaf."""
+    paths = leaf_paths(params)
+    usable = set()
+    for g in groups:
+        matched = [p for p in g.paths if wants_intra(p, g.shape)]
+        if not matched:
+            continue
+        if len(g.members) > 1:
+            raise ValueError(
+                f"intra_layers matches '{matched[0]}', which shares a group residual with "
+                "other layers; intra-layer reduction applies to singleton groups (§4.3). "
+                "Narrow the pattern or change the grouping."
+            )
+        usable.add(g.paths[0])
+    if not usable:
+        shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+        hit = [f"'{p}' {s}" for p, s in zip(paths, shapes, strict=True) if wants_intra(p, s)]
+        if not hit:
+            hint = no_match_hint(intra_layers, paths) if isinstance(intra_layers, str) else ""
+            raise ValueError(
+                f"intra_layers={intra_layers!r} matches no leaf, so intra-layer reduction "
+                f"would do nothing. {hint} Or pass intra='none'."
+            )
         raise ValueError(
-            f"intra_layers={intra_layers!r} matches no leaf, so intra-layer reduction would do "
-            "nothing. Check the pattern against resireduce_jax.grouping.report(params, ...) "
-            "or pass intra='none'."
+            f"intra_layers={intra_layers!r} matches only leaves that travel dense "
+            f"({', '.join(hit[:4])}): intra-layer reduction needs a compressed leaf with "
+            f"ndim >= 2 (leaves with ndim <= 1 or fewer than min_size={min_size} elements "
+            "keep no residual). Widen the pattern or pass intra='none'."
         )
-    in_shared = {p for g in groups if len(g.members) > 1 for p in g.paths}
-    compressed = {p for g in groups for p in g.paths}
-    for path, shape in matched:
-        if len(shape) < 2:
-            raise ValueError(
-                f"intra_layers matches '{path}' of shape {shape}: intra-layer reduction works "
-                "on leaves with ndim >= 2 (it keeps rows/columns of a matrix view)."
-            )
-        if path not in compressed:
-            raise ValueError(
-                f"intra_layers matches '{path}' of shape {shape}, which has fewer than "
-                f"min_size={min_size} elements: it travels dense and has no residual to reduce."
-            )
-        if path in in_shared:
-            raise ValueError(
-                f"intra_layers matches '{path}', which shares a group residual with other "
-                "layers; intra-layer reduction applies to singleton groups (§4.3). Narrow the "
-                "pattern or change the grouping."
-            )
+    return lambda path, shape: path in usable
 
 
 def resireduce(
@@ -228,9 +231,12 @@ def resireduce(
         ``"weighted"`` (ResiReduce-w, §4.2).
       intra: ``"none"``, ``"rows"`` (ResiReduce-d, §4.3) or ``"2d"`` (ResiReduce-2d, §4.3),
         applied to singleton groups selected by ``intra_layers``.
-      intra_layers: a regex searched in leaf paths, a predicate ``(path, shape) -> bool``,
-        or ``"auto"``: singleton leaves with at least ``INTRA_AUTO_SHARE`` (10 %) of all
-        compressed elements.
+      intra_layers: a regex ``re.search``-ed in leaf paths (the library's convention,
+        :mod:`resireduce_jax.tree_paths`), a predicate ``(path, shape) -> bool``, or
+        ``"auto"``: singleton leaves with at least ``INTRA_AUTO_SHARE`` (10 %) of all
+        compressed elements. A regex or predicate selects the compressed (``ndim >= 2``)
+        leaves it matches: ``r"dense_0/"`` reduces ``dense_0/kernel`` and leaves its bias
+        dense. It raises if it selects none, or a member of a shared group.
       row_ratio: fraction of rows kept (default 0.25 for ``"rows"``, 0.5 for ``"2d"``: both
         keep 25 % of the elements, as in the paper's Fig. 7). The reference code's
         ResiReduce-d (``dimcprs.py``) keeps all rows and half of the columns instead:

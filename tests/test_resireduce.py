@@ -332,6 +332,34 @@ def test_intra_layer_below_min_size_is_refused():
         tx.init(params)
 
 
+def test_intra_layers_skips_the_biases_it_matches():
+    """r"dense_0/" hits a kernel and its bias: the kernel keeps a 2-D residual, the bias
+    (a vector, which travels dense) is skipped rather than refused."""
+    params = th.zero_params(
+        {
+            "dense_0": {"kernel": (40, 60), "bias": (60,)},
+            "dense_1": {"kernel": (60, 50), "bias": (50,)},
+        }
+    )
+    tx = rr.resireduce(
+        rr.compressors.topk(0.01), intra_layers=r"dense_0/", intra="2d", min_size=MIN_SIZE
+    )
+    plan = tx.plan(params)
+    assert plan.store_of("dense_0/kernel").kind == "2d"
+    assert plan.store_of("dense_1/kernel").kind == "leaf"
+    assert plan.store_of("dense_0/bias") is None
+    state = tx.init(params)
+    assert set(state.residuals) == {"dense_0/kernel", "dense_1/kernel"}
+    assert state.residuals["dense_0/kernel"].rows.shape == (30,)  # half of 60 output units
+
+
+def test_intra_layers_that_matches_no_leaf_names_the_rule_and_the_fix():
+    tx = rr.resireduce(rr.compressors.topk(0.01), intra_layers=r"blocks_0/", min_size=MIN_SIZE)
+    with pytest.raises(ValueError, match=r"intra_layers='blocks_0/' matches no leaf") as info:
+        tx.init(_params())
+    assert "block_0/kernel" in str(info.value) and "re.search" in str(info.value)
+
+
 def test_group_with_mismatched_shapes_names_the_leaves():
     tx = rr.resireduce(
         rr.compressors.topk(0.01),
