@@ -10,10 +10,14 @@ axis, and then treat every slice along that axis as a layer of its own.
 
 This module owns that view, from paths and shapes alone:
 
-* **Which leaves.** A pattern is matched at the start of a leaf's path and must end at a
+* **Which leaves.** A pattern is ``re.search``-ed in a leaf's path, as every path rule
+  of the library (:mod:`resireduce_jax.tree_paths`), but only a match that is a whole
+  run of path keys counts: it starts at the path's start or after a ``/`` and ends at a
   ``/`` or at the end of the path (``"h"`` matches ``h/attn/c_attn/kernel``, not
-  ``head/kernel``); the first pattern that matches decides the axis.
-* **Slice paths.** Slice ``i`` of a stack is named by inserting ``/i`` where the match
+  ``head/kernel`` or ``lm_head/kernel``; ``"^layers/"`` matches ``layers/mlp/kernel``,
+  its prefix ending before the ``/``). The first pattern that matches decides the axis;
+  one that matches no leaf raises.
+* **Slice paths.** Slice ``i`` of a stack is named by inserting ``/i`` where the prefix
   ends: pattern ``"h"`` turns ``h/attn/c_attn/kernel`` into ``h/3/attn/c_attn/kernel``,
   pattern ``"decoder/layers"`` turns ``decoder/layers/mlp/wi/kernel`` into
   ``decoder/layers/3/mlp/wi/kernel``, and a pattern that matches a whole path appends the
@@ -40,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resireduce_jax.tree_paths import path_to_str
+from resireduce_jax.tree_paths import no_match_hint, path_to_str
 
 PyTree = Any
 LayerStacks = Mapping[str, int]
@@ -173,13 +177,16 @@ class Layout:
         return None
 
 
-def _first_match(patterns, path: str) -> tuple[str, int, int] | None:
-    """``(pattern, axis, end of the match)`` of the first pattern matching ``path`` at its
-    start and ending at a ``/`` or at the end of the path."""
+def _first_match(patterns, path: str) -> tuple[str, int, int, int] | None:
+    """``(pattern, axis, start, end)`` of the prefix ``path[start:end]`` named by the first
+    pattern that ``re.search`` finds in ``path`` aligned on its keys: starting at the
+    path's start or after a ``/``, and ending at a ``/`` (or just after one, which is then
+    not part of the prefix) or at the end of the path."""
     for pattern, axis in patterns:
-        m = re.match(f"(?:{pattern})(?=/|$)", path)
+        m = re.search(rf"(?:^|(?<=/))(?:{pattern})(?:(?=/|$)|(?<=/))", path)
         if m:
-            return pattern, axis, m.end()
+            end = m.end() - 1 if m.end() > m.start() and path[m.end() - 1] == "/" else m.end()
+            return pattern, axis, m.start(), end
     return None
 
 
@@ -207,7 +214,7 @@ def layout(params: PyTree, layer_stacks: tuple[tuple[str, int], ...] | None) -> 
         found = _first_match(layer_stacks, path)
         if found is None:
             continue
-        pattern, axis, end = found
+        pattern, axis, start, end = found
         used.add(pattern)
         shape = shapes[j]
         if axis < 0:
@@ -218,17 +225,18 @@ def layout(params: PyTree, layer_stacks: tuple[tuple[str, int], ...] | None) -> 
                 "fix the axis or narrow the pattern."
             )
         prefixes = [len(path_to_str(keypaths[j][:d])) for d in range(len(keypaths[j]) + 1)]
-        if end not in prefixes:
+        if end not in prefixes or not (start == 0 or start - 1 in prefixes):
             raise ValueError(
-                f"layer_stacks: the match in '{path}' does not end between two path keys."
+                f"layer_stacks: the match of {pattern!r} in '{path}' does not start and end "
+                "between two path keys (a key holds a '/')."
             )
         stacked[j] = (axis, prefixes.index(end))
     unused = [p for p, _ in layer_stacks if p not in used]
     if unused:
         raise ValueError(
             f"layer_stacks pattern {unused[0]!r} matches no leaf, so nothing would be treated "
-            "as a layer stack. Patterns match at the start of a path and end at a '/' "
-            f"(paths: {paths[:4]}...)."
+            "as a layer stack; a match must start and end between two path keys. "
+            f"{no_match_hint(unused[0], paths)}"
         )
 
     # rank[j][d]: the first leaf under keypaths[j][:d+1]: sorting by it is flatten order.

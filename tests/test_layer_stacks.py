@@ -215,6 +215,45 @@ def test_units_follow_the_unstacked_pytree():
     assert [u.path for u in whole.units] == ["w/0", "w/1", "w/2"]
 
 
+def _stack_prefixes(params, layer_stacks) -> dict[str, str]:
+    layout = rr.layer_stacks.layout(params, rr.layer_stacks.check(layer_stacks))
+    return {stack.path: stack.prefix for stack in layout.stacks}
+
+
+def test_pattern_ending_in_a_slash_names_the_prefix_before_it():
+    """'^layers/' (the NNX spelling) is a prefix: the slice index goes before the '/'."""
+    params = {"layers": {"mlp": {"kernel": {"value": np.zeros((S, 8, 4))}}}, "head": np.zeros(3)}
+    layout = rr.layer_stacks.layout(params, rr.layer_stacks.check({"^layers/": 0}))
+    assert [u.path for u in layout.units[:2]] == [
+        "head",
+        "layers/0/mlp/kernel/value",
+    ]
+    assert [s.prefix for s in layout.stacks] == ["layers"]
+
+
+def test_patterns_are_searched_but_match_whole_keys():
+    params = {
+        "h": {"attn": {"kernel": np.zeros((S, 4, 4))}},
+        "head": {"kernel": np.zeros((4, 4))},
+        "lm_head": {"kernel": np.zeros((4, 4))},
+        "model": {"layers": {"kernel": np.zeros((S, 4, 4))}},
+        "ah": {"h": {"kernel": np.zeros((S, 4, 4))}},
+    }
+    got = _stack_prefixes(params, {"h": 0, "layers": 0})
+    # Not head/ nor lm_head/ (not key-aligned); 'ah/h' past the unaligned match in 'ah'.
+    assert got == {
+        "h/attn/kernel": "h",
+        "ah/h/kernel": "ah/h",
+        "model/layers/kernel": "model/layers",
+    }
+    # Anchors keep their meaning: '^h' is the top-level h only.
+    assert _stack_prefixes({k: params[k] for k in ("h", "head")}, {"^h": 0}) == {
+        "h/attn/kernel": "h"
+    }
+    with pytest.raises(ValueError, match=r"pattern '\^h/a' matches no leaf.*h/attn/kernel"):
+        _stack_prefixes(params, {"^h/a": 0})  # ends inside the key 'attn'
+
+
 def test_state_keeps_slice_ranges_of_the_stack():
     params = zeros(stacked_shapes())
     tx = VARIANTS["w+2d-auto"](layer_stacks=STACKS)
