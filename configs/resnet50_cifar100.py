@@ -32,12 +32,13 @@ reference's rule (w+2d saves 14.88 % of the model states with SGD-momentum, 14.8
 
 from train.config_lib import cifar100_config
 
-# (pattern, label) pairs for resireduce_jax.grouping.regex; first full match wins.
+# (pattern, label) pairs for resireduce_jax.grouping.regex: the first pattern re.search
+# finds in a path wins; anchored, so each matches whole paths.
 RULES = (
     # Block 0's conv1 reads the previous stage's output (a different shape): a singleton.
-    (r"layer\d_0/conv1/kernel", r"\g<0>"),
+    (r"^layer\d_0/conv1/kernel$", r"\g<0>"),
     # The same bottleneck position across a stage's blocks: one shared residual.
-    (r"layer(\d)_\d+/conv(\d)/kernel", r"stage\1/conv\2"),
+    (r"^layer(\d)_\d+/conv(\d)/kernel$", r"stage\1/conv\2"),
 )
 
 

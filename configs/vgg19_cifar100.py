@@ -23,10 +23,10 @@ Intra-layer 2-D reduction (§4.3, ResiReduce-2d) applies to ``classifier_0`` (25
 
 from train.config_lib import cifar100_config
 
-RULES = (
-    (r"features_(17|20|23)/kernel", "features_17-23"),
-    (r"features_(30|33|36)/kernel", "features_30-36"),
-    (r"features_(40|43|46|49)/kernel", "features_40-49"),
+RULES = (  # anchored: grouping.regex re.search-es paths
+    (r"^features_(17|20|23)/kernel$", "features_17-23"),
+    (r"^features_(30|33|36)/kernel$", "features_30-36"),
+    (r"^features_(40|43|46|49)/kernel$", "features_40-49"),
 )
 INTRA_LAYERS = r"^classifier_0/kernel$"
 

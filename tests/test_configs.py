@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import re
 import sys
 
 import jax
@@ -24,6 +25,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import resireduce_jax as rr
 from resireduce_jax import models
 from train import config_schema, factory, train
 
@@ -159,6 +161,57 @@ def test_transformer_groups_match_the_reference(name, family, num_layers, vocab,
     # Embedding [vocab, width]: rows are the vocabulary entries.
     assert block.view.shape2d == (vocab, width) and block.view.row_axis == 0
     assert (block.keep_rows, block.keep_cols) == (vocab // 2, width // 2)
+
+
+def _full_match_labels(rules, paths) -> list[str]:
+    """The labels of ``grouping.regex`` before one convention (issue 64): the first rule
+    that ``re.fullmatch``-es a path, expanded; the path if none."""
+    labels = []
+    for path in paths:
+        matches = ((re.fullmatch(p, path), t) for p, t in rules)
+        labels.append(next((m.expand(t) for m, t in matches if m), path))
+    return labels
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["written_out", "scanned"])
+@pytest.mark.parametrize("name", EMBEDDED + PAPER)
+def test_path_rules_select_what_they_did_before_one_convention(name, scan):
+    """Under re.search (issue 64) every shipped rule selects the leaves it did: grouping
+    rules label every leaf as the old full match did (and each matches a leaf of its
+    full-size model), intra_layers picks the leaves it matched, layer_stacks (the old
+    rule: anchored at the start, ending at a '/') stacks the same leaves at the same
+    prefixes. Shapes only."""
+    config = load_config(name)
+    if scan:
+        if models.get_config(config.model.name).layer_scope is None:
+            pytest.skip("no layers to scan")
+        config.model.scan_layers = True
+    params = models.abstract_variables(config.model.name, **config_schema.model_overrides(config))[
+        "params"
+    ]
+    stacks = factory.layer_stacks(config)
+    tree = params
+    if stacks is not None:
+        layout = rr.layer_stacks.layout(params, rr.layer_stacks.check(stacks))
+        old = {}
+        for path in rr.tree_paths.leaf_paths(params):
+            for pattern in stacks:
+                m = re.match(f"(?:{pattern})(?=/|$)", path)
+                if m:
+                    old[path] = path[: m.end()]
+                    break
+        assert {stack.path: stack.prefix for stack in layout.stacks} == old and old
+        tree = layout.view()
+    paths = rr.tree_paths.leaf_paths(tree)
+    comp = config.compression
+    if comp.grouping == "regex":
+        rules = [tuple(rule) for rule in comp.rules]
+        new = jax.tree.leaves(rr.grouping.regex(rules)(tree))  # raises if a rule is unused
+        assert new == _full_match_labels(rules, paths)
+    if comp.intra_layers != "auto":
+        plans = factory.build_store_plans(comp, tree)
+        two_d = {p.group.paths[0] for p in plans if p.kind == "2d"}
+        assert two_d == {p for p in paths if re.search(comp.intra_layers, p)}
 
 
 def test_paper_hyperparameters():

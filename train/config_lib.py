@@ -52,13 +52,15 @@ def consecutive_layer_rules(
     run holding ``i``, whether the layers are written out (``{scope}_{i}/x``) or scanned
     (``model.scan_layers``: slice ``i`` of the stacked ``{scope}/x`` is ``{scope}/{i}/x``,
     :mod:`resireduce_jax.layer_stacks`), so the groups of a scanned run are those of the
-    written-out one (GPT-2: ``scope="h"``, ``label="h"``).
+    written-out one (GPT-2: ``scope="h"``, ``label="h"``). Patterns are anchored
+    (``^...$``): rules are ``re.search``-ed in paths.
     """
     rules = []
     for first in range(0, num_layers, per_group):
         last = min(first + per_group, num_layers) - 1
         members = "|".join(str(i) for i in range(first, last + 1))
-        rules.append((rf"{re.escape(scope)}[_/]({members})/(.+)", rf"{label}{first}-{last}/\2"))
+        pattern = rf"^{re.escape(scope)}[_/]({members})/(.+)$"
+        rules.append((pattern, rf"{label}{first}-{last}/\2"))
     return tuple(rules)
 
 
