@@ -317,7 +317,10 @@ def test_slices_are_exchanged_together_not_one_by_one():
         )
         state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(tx.init, params))
         update = jax.shard_map(
-            lambda g, s: tx.update(g, s), mesh=th.mesh(W), in_specs=(P(), P()), out_specs=P()
+            lambda g, s: tx.update(jax.lax.pcast(g, th.AXIS, to="varying"), s)[0],
+            mesh=th.mesh(W),
+            in_specs=(P(), P()),
+            out_specs=P(),
         )
         return collections.Counter(
             re.findall(r"= (\w+)\[", str(jax.make_jaxpr(update)(params, state)))
