@@ -37,8 +37,10 @@ from jax import lax
 
 PyTree = Any
 Randomness = Literal["none", "shared", "per_worker"]
+Collective = Literal["all_gather", "all_reduce"]
 
 __all__ = [
+    "Collective",
     "Compressor",
     "DecodedMean",
     "Reduced",
@@ -86,11 +88,17 @@ class Compressor(abc.ABC):
       randomness: ``"none"`` (deterministic), ``"shared"`` (every worker must draw the same
         random numbers, e.g. Random-k's indices, so the payload can be summed) or
         ``"per_worker"`` (independent draws per worker, e.g. stochastic rounding).
+      collective: how the payload travels: ``"all_gather"`` (every worker receives every
+        worker's payload: the sparse, quantized and sign methods) or ``"all_reduce"``
+        (payloads summed by ``psum``: dense and cast leaves, Random-k's shared indices,
+        PowerSGD's factors). The wire-bytes model of
+        :meth:`~resireduce_jax.ExchangeTransformation.wire_bytes` reads it.
     """
 
     name: ClassVar[str]
     biased: ClassVar[bool]
     randomness: ClassVar[Randomness] = "none"
+    collective: ClassVar[Collective] = "all_gather"
 
     # ----------------------------------------------------------------- per-method parts
 

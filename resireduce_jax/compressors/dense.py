@@ -35,6 +35,7 @@ class NoCompression(Compressor):
 
     name: ClassVar[str] = "none"
     biased: ClassVar[bool] = False
+    collective: ClassVar[str] = "all_reduce"
 
     def compress(self, x, state, key):
         del key
@@ -74,6 +75,7 @@ class Cast(Compressor):
     feedback: bool = True
     name: ClassVar[str] = "cast"
     biased: ClassVar[bool] = True
+    collective: ClassVar[str] = "all_reduce"
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):

@@ -98,6 +98,7 @@ class PowerSGD(Compressor):
     seed: int = 0
     name: ClassVar[str] = "powersgd"
     biased: ClassVar[bool] = True
+    collective: ClassVar[str] = "all_reduce"  # P and Q, one psum each
 
     def __post_init__(self):
         object.__setattr__(self, "rank", check_int(self.rank, "rank", 1))

@@ -38,6 +38,7 @@ __all__ = [
     "Phase",
     "Phased",
     "bytes_sent",
+    "bytes_sent_by_collective",
     "constant",
     "dense_warmup",
     "dgc_stages",
@@ -336,3 +337,16 @@ def bytes_sent(compressor: Any, shape: tuple[int, ...], dtype: Any, total_steps:
     return sum(
         n * p.compressor.payload_bytes(shape, dtype) for p, n in zip(found, lengths, strict=True)
     )
+
+
+def bytes_sent_by_collective(
+    compressor: Any, shape: tuple[int, ...], dtype: Any, total_steps: int
+) -> dict[str, int]:
+    """:func:`bytes_sent` split by how each phase's payload travels: ``{"all_gather": B,
+    "all_reduce": B}`` (the phase compressor's ``collective``)."""
+    found = phases(compressor)
+    lengths = _phase_lengths([p.start for p in found], total_steps)
+    sent = {"all_gather": 0, "all_reduce": 0}
+    for p, n in zip(found, lengths, strict=True):
+        sent[p.compressor.collective] += n * p.compressor.payload_bytes(shape, dtype)
+    return sent

@@ -277,6 +277,7 @@ class RandomK(_SparseBase):
     scaled: bool = False
     name: ClassVar[str] = "randomk"
     randomness: ClassVar[str] = "shared"
+    collective: ClassVar[str] = "all_reduce"  # the k values; indices come from the key
 
     @property
     def biased(self) -> bool:  # type: ignore[override]
