@@ -248,6 +248,18 @@ def test_resume_is_bit_identical(tmp_path, changes):
         per_leaf = [12 * 8 * int(0.01 * n) for n in big]
     assert summary.communication["bytes_sent_per_worker"] == sum(per_leaf) + 12 * 4 * small
     assert summary.communication["dense_bytes_per_worker"] == 12 * 4 * sum(sizes)
+    # What the network carries among 8 workers (ring collectives): each Top-k payload
+    # reaches the 7 others (all-gather); dense steps and small leaves are all-reduced, at
+    # 2 * 7 / 8 of their bytes, as is every gradient in the dense baseline.
+    c = summary.communication
+    warmup = 3 * 4 * sum(big) if changes else 0  # the dense steps of the compressed leaves
+    gathered, reduced, dense = sum(per_leaf) - warmup, warmup + 12 * 4 * small, 12 * 4 * sum(sizes)
+    assert c["num_workers"] == 8 and "crossover_workers_hierarchical" not in c
+    assert c["wire_bytes_per_worker"] == pytest.approx(7 * gathered + 7 / 4 * reduced)
+    assert c["dense_wire_bytes_per_worker"] == pytest.approx(7 / 4 * dense)
+    assert c["wire_bytes_per_worker"] > c["bytes_sent_per_worker"]
+    # More than dense from N workers on: (N - 1) G > 2 (N - 1) / N (D - R) <=> N > 2 (D - R) / G.
+    assert c["crossover_workers"] == 2 * (dense - reduced) // gathered + 1
 
 
 def test_worker_count_change_policy(tmp_path):

@@ -104,6 +104,19 @@ def test_hierarchical_run_trains_with_a_quarter_of_the_residual_per_device(tmp_p
     assert np.isfinite(summary.eval["loss"])
     assert "Model states per device (2 nodes x 4 devices" in out
     assert "8 workers as 2 nodes x 4 devices, hierarchical exchange" in out
+    c = summary.communication
+    assert c["local_devices"] == L and c["num_workers"] == 8
+    # Across 2 nodes each device's shard payload reaches the one other node (1 x) and the
+    # small leaves' all-reduce crosses with 1/L of their bytes: less than bytes_sent. The
+    # hierarchical crossover, in whole nodes, comes after the flat exchange's.
+    assert c["wire_bytes_across_nodes_per_worker"] < c["bytes_sent_per_worker"]
+    assert c["wire_bytes_per_worker"] > c["wire_bytes_across_nodes_per_worker"]
+    assert c["dense_wire_bytes_across_nodes_per_worker"] == pytest.approx(
+        c["dense_bytes_per_worker"] / L  # 2 (M - 1) / M = 1 for M = 2 nodes
+    )
+    assert c["crossover_workers_hierarchical"] % L == 0
+    assert c["crossover_workers_hierarchical"] > c["crossover_workers"]
+    assert "On the wire across nodes per worker (8 workers): " in out
 
     memory = summary.memory
     per_device, flat = memory["residual_bytes_per_device"], memory["flat_residual_bytes_per_device"]

@@ -748,6 +748,7 @@ def train_and_evaluate(
     if is_main and not preempted:
         print("Final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()), flush=True)
         print(_bytes_line(summary.communication), flush=True)
+        print(_wire_line(summary.communication), flush=True)
     return summary
 
 
@@ -770,20 +771,45 @@ def communication_summary(run: Run, abstract_params, steps: int) -> dict[str, An
     phase of the density schedule at its own size, dense leaves all-reduced in their dtype.
     A hierarchical run counts one device's payload across nodes. Steps skipped for
     non-finite values still exchange and are counted at the phase of their step number.
+
+    ``bytes_sent_per_worker`` is each worker's own payload. What the network carries is
+    ``wire_bytes_per_worker`` (``ExchangeTransformation.wire_bytes``: an all-gathered
+    payload reaches every other worker, an all-reduced one costs ``2 (N - 1) / N`` of it),
+    beside a dense ring all-reduce's, and ``crossover_workers``: the fewest workers at which
+    the run's exchange, flat, would carry more than the dense all-reduce (``None``: never).
+    A hierarchical run adds both across nodes and its own crossover, a multiple of
+    ``local_devices``.
     """
+    local = run.local_devices
+    compression = run.config.compression
     exchange = factory.build_exchange(
-        run.config.compression,
-        local_axis=factory.local_axis(run.config),
-        total_steps=run.total_steps,
+        compression, local_axis=factory.local_axis(run.config), total_steps=run.total_steps
     )
-    sent = exchange.bytes_sent(abstract_params, steps, local_size=run.local_devices or 1)
+    sent = exchange.bytes_sent(abstract_params, steps, local_size=local or 1)
     dense = rr.exchange.dense_bytes(abstract_params) * steps
-    return {
+    workers = run.config.num_workers
+    wire = exchange.wire_bytes(abstract_params, steps, workers, local_size=local or 1)
+    flat = exchange
+    if local:
+        flat = factory.build_exchange(compression, total_steps=run.total_steps)
+    summary = {
         "steps": steps,
         "bytes_sent_per_worker": sent,
         "dense_bytes_per_worker": dense,
         "sent_over_dense": sent / dense if dense else 0.0,
+        "num_workers": workers,
+        "wire_bytes_per_worker": wire.exchange,
+        "dense_wire_bytes_per_worker": wire.dense,
+        "crossover_workers": flat.crossover_workers(abstract_params, steps),
     }
+    if local:
+        summary["local_devices"] = local
+        summary["wire_bytes_across_nodes_per_worker"] = wire.exchange_across_nodes
+        summary["dense_wire_bytes_across_nodes_per_worker"] = wire.dense_across_nodes
+        summary["crossover_workers_hierarchical"] = exchange.crossover_workers(
+            abstract_params, steps, local_size=local
+        )
+    return summary
 
 
 def _bytes_line(c: dict[str, Any]) -> str:
@@ -791,6 +817,19 @@ def _bytes_line(c: dict[str, Any]) -> str:
         f"Sent per worker over {c['steps']} steps: {c['bytes_sent_per_worker'] / 2**20:,.2f} "
         f"MiB, {100 * c['sent_over_dense']:.2f} % of a dense exchange "
         f"({c['dense_bytes_per_worker'] / 2**20:,.2f} MiB)."
+    )
+
+
+def _wire_line(c: dict[str, Any]) -> str:
+    """One line: what the network carries per worker against a dense all-reduce."""
+    part = "_across_nodes" if "local_devices" in c else ""
+    wire, dense = c[f"wire_bytes{part}_per_worker"], c[f"dense_wire_bytes{part}_per_worker"]
+    crossover = c["crossover_workers_hierarchical" if part else "crossover_workers"]
+    beyond = "never" if crossover is None else f"from {crossover} workers on"
+    return (
+        f"On the wire{part.replace('_', ' ')} per worker ({c['num_workers']} workers): "
+        f"{wire / 2**20:,.2f} MiB against {dense / 2**20:,.2f} MiB for a dense all-reduce; "
+        f"more than dense {beyond}."
     )
 
 
