@@ -369,7 +369,7 @@ def _range(values: list[float], digits: int) -> str:
 
 
 def _goal(report: dict[str, Any]) -> list[str]:
-    """Which configuration meets issue 6's goal, computed from the figures."""
+    """Which configuration saves >= one parameter-sized buffer, from the figures (the goal)."""
     configs = [("memory-optimizing scheduler", report["models"])]
     if report.get("concurrency_scheduler"):
         configs.insert(0, ("XLA:CPU's default scheduler", report["concurrency_scheduler"]))

@@ -315,7 +315,8 @@ class Checkpointer:
                 "Delete that step's directory to resume from an older one, or start a new workdir."
             ) from e
         old_workers = int(meta["num_workers"])
-        old_local = meta.get("local_devices") or None  # absent: written before issue 13
+        # Absent from checkpoints written before runs could be hierarchical: a flat layout.
+        old_local = meta.get("local_devices") or None
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
         )

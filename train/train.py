@@ -8,7 +8,7 @@ and on SIGTERM. Re-running with the same ``workdir`` resumes from the newest com
 checkpoint and continues bit-identically: the global batch and the PRNG key of step ``t``
 are pure functions of ``(seed, t)``.
 
-With ``config.local_devices`` the run is hierarchical (issue 13): the mesh is nodes ×
+With ``config.local_devices`` the run is hierarchical: the mesh is nodes ×
 devices per node (axes ``("data", "local")``), gradients are reduced densely inside a node
 and compressed across nodes, and each residual is sharded over the node's devices. The
 batch, the per-worker state, the non-finite decision and evaluation span both axes;
