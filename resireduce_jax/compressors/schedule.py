@@ -178,10 +178,22 @@ def dgc_stages(density: float, *, start: float = 0.25, factor: float = 4.0) -> t
     return tuple(stages)
 
 
+def check_density(density: float, name: str = "density") -> float:
+    """Validates a fraction in (0, 1] and returns it as a float."""
+    try:
+        value = float(density)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in (0, 1], got {density!r}.") from None
+    if not (0.0 < value <= 1.0):  # also rejects NaN
+        raise ValueError(
+            f"{name} must be in (0, 1], got {density!r}: it is the fraction of elements "
+            "each worker sends (0.01 sends 1 %)."
+        )
+    return value
+
+
 def as_density(value: Any, name: str = "density") -> float | DensitySchedule:
     """A validated float in (0, 1], or a :class:`DensitySchedule` (one phase: its float)."""
-    from resireduce_jax.compressors.sparse import check_density
-
     if isinstance(value, DensitySchedule):
         return value.final if len(value.starts) == 1 else value
     return check_density(value, name)

@@ -40,7 +40,7 @@ from resireduce_jax.compressors.base import (
     sparse_means,
     varying_as,
 )
-from resireduce_jax.compressors.schedule import DensitySchedule, as_density
+from resireduce_jax.compressors.schedule import DensitySchedule, as_density, check_density
 
 __all__ = [
     "DGC",
@@ -64,20 +64,6 @@ class SparsePayload(NamedTuple):
 
     values: jax.Array
     indices: jax.Array
-
-
-def check_density(density: float, name: str = "density") -> float:
-    """Validates a fraction in (0, 1] and returns it as a float."""
-    try:
-        value = float(density)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number in (0, 1], got {density!r}.") from None
-    if not (0.0 < value <= 1.0):  # also rejects NaN
-        raise ValueError(
-            f"{name} must be in (0, 1], got {density!r}: it is the fraction of elements "
-            "each worker sends (0.01 sends 1 %)."
-        )
-    return value
 
 
 def num_selected(n: int, density: float) -> int:
