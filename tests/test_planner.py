@@ -20,6 +20,7 @@ import pytest
 
 from resireduce_jax import hlo, planner
 from resireduce_jax.planner import Candidate, Compiled
+from resireduce_jax.planner.fitting import _next_probe
 from tests.test_cli import run_cli
 
 GiB, MiB = 2**30, 2**20
@@ -343,10 +344,10 @@ def test_a_checkpointed_stage_with_unread_per_worker_outputs_differentiates_in_s
 def test_interpolation_grows_the_batch_at_most_fourfold_before_a_batch_fails():
     """Flat peaks (a plan that absorbs the batch) must not send the search to max_batch."""
     flat = {2: 10_000_000, 6: 10_000_001}  # one byte more for four more samples
-    probe = planner._next_probe(flat, 6, None, 12_000_000, 512, bisect=False)
+    probe = _next_probe(flat, 6, None, 12_000_000, 512, bisect=False)
     assert 6 < probe <= 4 * 6
     steep = {2: 1_000, 4: 2_000}  # affine: the line's prediction is kept when it is near
-    assert planner._next_probe(steep, 4, None, 7_000, 512, bisect=False) == 14
+    assert _next_probe(steep, 4, None, 7_000, 512, bisect=False) == 14
 
 
 # ------------------------------------------------------------------ pruning and threads
