@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from resireduce_jax import in_place
+from resireduce_jax._src import in_place
 from resireduce_jax.compressors.base import check_axis_bound
 from resireduce_jax.exchange import ExchangeState
 from resireduce_jax.optimizers import AdamWRState, AdanRState, LionRState, SGDState
@@ -217,7 +217,7 @@ def value_and_guarded_grad(
 
 def _replaced(g: jax.Array, keep: Any, value: float) -> jax.Array:
     """``where(keep(g), g, value)``, written over the gradient's own buffer block by block
-    (:func:`resireduce_jax.in_place.map_blocks`): a gradient is a temporary, and a plain
+    (:func:`resireduce_jax._src.in_place.map_blocks`): a gradient is a temporary, and a plain
     select would hold a second copy of it beside the first, which the exchange of a large
     layer kept in a 2-D store cannot absorb."""
     fill = jnp.asarray(value, g.dtype)
@@ -227,7 +227,7 @@ def _replaced(g: jax.Array, keep: Any, value: float) -> jax.Array:
 def _is_bad(g: jax.Array) -> jax.Array:
     """Whether ``g`` holds a NaN/Inf. XLA:CPU materializes the one-byte flags of one leaf
     at a time (a quarter of a float32 leaf). Counting them in a chunk loop instead
-    (:func:`resireduce_jax.in_place.sums`) raised ResNet-50's strict step from 148.1 to
+    (:func:`resireduce_jax._src.in_place.sums`) raised ResNet-50's strict step from 148.1 to
     218.9 MiB (35 such loops, one per large leaf, where every gradient is held), and a
     ``max``/``min`` test misses NaN in XLA:CPU's large reductions."""
     return jnp.logical_not(jnp.all(jnp.isfinite(g)))

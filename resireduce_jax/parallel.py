@@ -40,7 +40,7 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resireduce_jax import read_order, varying_dependence
+from resireduce_jax._src import read_order, varying_dependence
 from resireduce_jax.compressors.base import SummedGradientsError, varying_as
 from resireduce_jax.nonfinite import SkipNonFiniteState, value_and_guarded_grad
 
@@ -242,7 +242,7 @@ def state_partition_specs(
     worker-local gradients inside ``shard_map``, the leaves found so far cast to varying,
     until the set of state leaves whose value varies over ``axis_name`` stops growing.
     Usually one trace settles it: when no other new state leaf depends on the ones it
-    found (:func:`resireduce_jax.varying_dependence.reached_outputs` on the update's
+    found (:func:`resireduce_jax._src.varying_dependence.reached_outputs` on the update's
     jaxpr), casting those to varying could not change the set. Those leaves hold
     per-worker data (residuals, per-worker compressor state) and get ``P(axis_name)`` with
     a leading worker axis in the global array; all others are replicated (``P()``).
@@ -757,7 +757,7 @@ def data_parallel_step(
         pass); where XLA cannot prove that order from data dependencies it copies the
         weight. ``"last_read"`` (default): each weight waits for the update of the
         earliest gradient that depends on all its reads, found by a dataflow pass over
-        the traced gradient computation (:mod:`resireduce_jax.read_order`); nothing is
+        the traced gradient computation (:mod:`resireduce_jax._src.read_order`); nothing is
         copied and gradients still stream. ``"all_gradients"``: every weight waits for
         every update, which holds every gradient alive until the last one exists.
         ``"unordered"``: no ordering; XLA copies the weights it cannot prove. Measured
@@ -768,7 +768,7 @@ def data_parallel_step(
         gradient whose computation frees more than it holds (a layer's ``dW = xᵀ·dy``
         before the backward pass goes on from ``dy``), so that the gradients stream
         through the exchange whatever order XLA's scheduler would prefer
-        (:mod:`resireduce_jax.backward_order`). ``"free"``: XLA's scheduler alone
+        (:mod:`resireduce_jax._src.backward_order`). ``"free"``: XLA's scheduler alone
         decides, and may run every weight gradient after the last layer's cotangent.
       max_steps_in_flight: at most this many calls of the step are queued at once; a call
         that would exceed it first waits for the oldest to finish. ``None`` (default):

@@ -19,7 +19,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import resireduce_jax as rr
-from resireduce_jax import backward_order
+from resireduce_jax._src import backward_order
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 

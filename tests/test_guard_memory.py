@@ -89,7 +89,7 @@ def test_strict_and_lean_modes_pay_for_their_late_decision():
 # transformer's peak used to be its tied embedding's exchange (0.78), where the
 # compensated embedding, the |G~| buffer Top-k read and |r| for the 2-D store's norms were
 # alive at once: maps over temporaries are now written over their operand
-# (``resireduce_jax.in_place``; docs/design.md, "Residuals at the compiled peak").
+# (``resireduce_jax._src.in_place``; docs/design.md, "Residuals at the compiled peak").
 DROP_BOUND = {"none": 0.9, "loss": 0.9, "strict": 0.9}
 TEMP_MARGIN = {"none": 0.01, "loss": 0.01, "strict": 0.03}
 

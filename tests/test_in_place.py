@@ -1,4 +1,4 @@
-"""Leaf-sized maps over their operand's buffer (``resireduce_jax.in_place``): values against
+"""Leaf-sized maps over their operand's buffer (``resireduce_jax._src.in_place``): values against
 numpy, bit-exact sign round trips, and the compiled temp memory they save."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from jax import lax
 
 import resireduce_jax as rr
 from resireduce_jax import compressors as C
-from resireduce_jax import in_place
 from resireduce_jax import residual_stores as stores
+from resireduce_jax._src import in_place
 
 SHAPES = [(97, 129), (4099,), (3, 5, 7, 11), (1, 3000), (3000, 1)]
 

@@ -17,8 +17,9 @@ import numpy as np
 import optax
 import pytest
 
-from resireduce_jax import hlo, in_place
+from resireduce_jax import hlo
 from resireduce_jax import optimizers as opt
+from resireduce_jax._src import in_place
 from resireduce_jax.optimizers import _common
 
 SHAPES = {"dense": {"kernel": (16, 32), "bias": (32,)}, "head": (32, 8), "temperature": ()}

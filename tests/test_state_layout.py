@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
-from resireduce_jax import varying_dependence
+from resireduce_jax._src import varying_dependence
 from tests import test_layer_stacks as stacks
 from tests import transform_harness as th
 

@@ -42,7 +42,7 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
-from resireduce_jax import backward_order
+from resireduce_jax._src import backward_order
 
 PyTree = Any
 
@@ -197,7 +197,7 @@ def call_with_read_partners(
       grads_of: picks the gradient pytree (structured like ``params``) out of ``fun``'s
         output.
       stream_backward: evaluate the jaxpr with its backward pass ordered to stream
-        (:func:`resireduce_jax.backward_order.streamed`); the partners are those of the
+        (:func:`resireduce_jax._src.backward_order.streamed`); the partners are those of the
         traced jaxpr (the ordering adds no read).
 
     Returns:

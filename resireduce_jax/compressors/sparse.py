@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from resireduce_jax import in_place
+from resireduce_jax._src import in_place
 from resireduce_jax.compressors.base import (
     Compressor,
     Reduced,
@@ -170,7 +170,7 @@ class TopK(_SparseBase):
         """:meth:`compress` with ``|x|`` ranked in ``x``'s own buffer.
 
         The payload is ``compress``'s, bit for bit, but ``|x|`` is written over ``x`` with
-        its signs kept as bits (:func:`resireduce_jax.in_place.magnitudes`), Top-k reads it
+        its signs kept as bits (:func:`resireduce_jax._src.in_place.magnitudes`), Top-k reads it
         there and the signs are put back: no leaf-sized ``|x|`` buffer exists beside ``x``
         at a large layer's exchange (docs/design.md, "Residuals at the compiled peak").
         """

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from resireduce_jax import in_place
+from resireduce_jax._src import in_place
 
 PyTree = Any
 ScalarOrSchedule = float | Callable[[jax.Array], jax.typing.ArrayLike]
@@ -173,7 +173,7 @@ def decay_flags(mask: MaskOrFn, params: PyTree) -> PyTree:
 def _sum_of_squares(x: jax.Array) -> jax.Array:
     """``sum(x**2)`` of one leaf in :func:`accumulation_dtype` (float32 for float32 and
     narrower leaves, float64 for float64 leaves), without a squared copy of the leaf on CPU
-    (:func:`resireduce_jax.in_place.sums`: a chunk loop; see
+    (:func:`resireduce_jax._src.in_place.sums`: a chunk loop; see
     ``benchmarks/results/gsr_memory.md`` for its cost beside ``optax.clip_by_global_norm``).
     """
     (total,) = in_place.sums(x, (jnp.square,), accumulation_dtype(x.dtype))
