@@ -20,7 +20,7 @@ import pytest
 
 from resireduce_jax import hlo, planner
 from resireduce_jax.planner import Candidate, Compiled
-from resireduce_jax.planner.fitting import _next_probe
+from resireduce_jax.planner.batch_search import _next_probe
 from tests.test_cli import run_cli
 
 GiB, MiB = 2**30, 2**20
