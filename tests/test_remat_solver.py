@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from resireduce_jax.remat import baselines
+from resireduce_jax.remat.budget_search import parse_budget
 from resireduce_jax.remat.costs import ChainCosts
-from resireduce_jax.remat.planner import parse_budget
 from resireduce_jax.remat.solver import (
     Checkpoint,
     Plan,

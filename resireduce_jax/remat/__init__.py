@@ -22,6 +22,12 @@ into the forward pass. The planner checks that the barriers survived.
 """
 
 from resireduce_jax.remat import baselines, zoo
+from resireduce_jax.remat.budget_search import (
+    ChainPlanner,
+    RematChoice,
+    checkpoint_chain,
+    parse_budget,
+)
 from resireduce_jax.remat.costs import ChainCosts, chain_shapes, measure_chain
 from resireduce_jax.remat.executor import (
     CompiledGradient,
@@ -33,12 +39,6 @@ from resireduce_jax.remat.executor import (
     sum_of_outputs,
 )
 from resireduce_jax.remat.flax import RotorSequential
-from resireduce_jax.remat.planner import (
-    ChainPlanner,
-    RematChoice,
-    checkpoint_chain,
-    parse_budget,
-)
 from resireduce_jax.remat.solver import (
     Checkpoint,
     Plan,

@@ -32,9 +32,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from resireduce_jax.remat.budget_search import Budget, ChainPlanner, RematChoice
 from resireduce_jax.remat.costs import chain_shapes
 from resireduce_jax.remat.executor import Loss, apply_plan, sum_of_outputs
-from resireduce_jax.remat.planner import Budget, ChainPlanner, RematChoice
 from resireduce_jax.remat.solver import Plan
 
 __all__ = ["RotorSequential"]

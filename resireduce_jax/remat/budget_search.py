@@ -1,32 +1,10 @@
-"""Choosing a plan whose *compiled* peak fits a budget, and :func:`checkpoint_chain`.
+"""The fastest rotor plan whose *compiled* gradient peak fits a budget: :class:`ChainPlanner`.
 
-The budget is the compiled peak of the whole jitted gradient computation (argument +
-output − alias + temp bytes of ``memory_analysis()``, parameters and gradients included):
-what the user asks for is what the compiled program uses.
-
-The rotor model (:mod:`resireduce_jax.remat.solver`) only approximates what XLA allocates:
-XLA fuses elementwise work so that some residuals are never materialised, fuses a
-recomputation into the backward pass that follows it, reuses and packs buffers. The
-planner therefore calibrates against compiled programs:
-
-* The dynamic program is solved once over its whole memory range, which yields every plan
-  it can produce, from fastest (no checkpoint) to leanest. It is solved twice: with the
-  full model, and with activations only (no gradients, no temporaries). The full model
-  has a floor (typically the last backward step, with every gradient written) below which
-  it sees no gain in storing less, so its leanest plans may keep stages that XLA's
-  accounting would still charge; the activations-only model keeps shrinking the stored
-  activations down to the leanest schedules. Each list ("family") is ordered by time.
-* For a budget, each family is bisected, compiling candidates, for its fastest plan whose
-  compiled peak fits ("bisect the model budget until the compiled peak fits"), and the
-  fastest fitting plan among those compiled on the way is chosen. Compiled figures are
-  cached per plan.
-
-The candidate lists do not depend on the budget, so ``search="scan"`` (the fastest
-candidate of all that fits, compiling candidates in order of time) gives a compiled peak
-that never increases as the budget shrinks. ``search="bisect"`` (the default, a
-logarithmic number of compilations) gives the same answer whenever compiled peaks
-decrease along each family, which is what we observe; either way the returned plan's
-compiled peak fits the budget.
+The budget is the compiled peak of the whole jitted gradient computation, parameters and
+gradients included. Rotor's model only approximates what XLA allocates, so candidate
+plans from the dynamic program are compiled, and the fastest one that fits is chosen.
+:func:`checkpoint_chain` wraps a chain in that plan. See docs/remat.md, "What the budget
+means" and "How it works" (Calibration).
 """
 
 from __future__ import annotations
