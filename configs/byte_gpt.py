@@ -3,14 +3,13 @@
 The recommended recipe for Adam at top-k 1 % (docs/exchange.md, "Compressed momentum"):
 dense AdamW for the first 12.5 % of the steps, sent in bfloat16 (the bytes of 6.25 % in
 float32), then the second moment frozen and each worker's update direction sent
-compressed, its residual kept by ResiReduce w+2d; 9.40 % of dense's bytes over the run.
-At width 64 the 2-D rule (``intra_layers="auto"``: singletons holding >= 10 % of the
-compressed elements) picks no layer, the byte embedding holding 9.8 %, so the groups alone
-reduce the residuals (41.5 % of EF's bytes). In this config's 400 steps that ends at 1.30x
-dense perplexity (3 seeds; 1.34x with the embedding's residual in 2-D too,
-``'--config.compression.intra_layers=^wte/embedding$'``) and at 1.18-1.24x with EF
-(``--config.compression.variant=ef``, 4 seeds; without error feedback 1.66x), and with a
-warm-up of 5 % (20 steps) EF ends at up to 1.48x: benchmarks/results/accuracy_400 and
+compressed, its residual kept by ResiReduce w+2d. At width 64 the 2-D rule
+(``intra_layers="auto"``: singletons holding >= 10 % of the compressed elements) picks no
+layer, the byte embedding holding just under that, so the groups alone reduce the
+residuals; ``'--config.compression.intra_layers=^wte/embedding$'`` keeps the embedding's
+residual in 2-D too, ``--config.compression.variant=ef`` is plain error feedback. The
+perplexities these reach against dense, the bytes sent and the residual bytes:
+benchmarks/results/accuracy_400/accuracy.md (this config's 400 steps) and
 benchmarks/results/accuracy.md (1,200 steps).
 ``--config.optimizer.name=adamw`` with ``--config.compression.density_schedule.dense_fraction=0``
 is error feedback on AdamW.

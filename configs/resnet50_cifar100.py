@@ -24,8 +24,8 @@ One difference remains: the reference sends the classifier's ``fc.weight`` uncom
 scheme. This library has no per-path "send dense" option yet, so training with this
 config compresses ``fc/kernel`` (2048 x 100) with its own residual, 0.8 MB per worker more
 than the reference in EF and in w+2d alike. ``benchmarks/memory_figures.py`` applies the
-reference's rule (w+2d saves 14.88 % of the model states with SGD-momentum, 14.84 % with
-``fc`` compressed).
+reference's rule; its page, benchmarks/results/memory_figures.md, gives w+2d's saving
+either way.
 
     python -m train --config configs/resnet50_cifar100.py --workdir /tmp/rr_resnet50
 """

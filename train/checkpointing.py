@@ -29,8 +29,9 @@ The train state is written by orbax's ``PyTreeCheckpointHandler`` with its own
 type-handler registry (:func:`state_handler`), whose ``jax.Array`` handler writes each
 replicated array from one device: orbax's default (outside GPU platforms) splits a
 replicated array's write over its replicas, compiling one ``jit(slice)`` per leaf shape
-and device on a run's first save (56 programs, 1.5 s of a 17 s one-step byte-GPT run)
-to write a few MiB from a host that holds every replica anyway. Arrays and the tree's
+and device on a run's first save (a measurable share of a short run: the figure is in
+benchmarks/results/README.md, "Figures measured outside the benchmarks") to write a few
+MiB from a host that holds every replica anyway. Arrays and the tree's
 metadata are written as orbax's default handler writes them (``StandardRestore`` and
 ``final_state`` read them); orbax's optional per-array metadata store, a private module, is
 not passed, and restoring does not need it. The global registry is left as it is.

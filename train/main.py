@@ -105,12 +105,10 @@ def _define_flags() -> None:
         "from the steps already compiled does not rule out, for analysis (quick code "
         "generation, none of it run; threads: --config.memory.compile_threads); a budget "
         "below every candidate's arguments is answered from shapes, without compiling. "
-        "Expect 3-5 times a 1-step run: on 2 cores the byte GPT at 10 MiB plans in 31 s "
-        "with its recipe and 41 s with AdamW, against 8.7 s and 9.5 s for a 1-step run "
-        "(benchmarks/results/planner_speed.md). A second --plan_only in the same workdir "
-        "loads the compiled steps from WORKDIR/compilation_cache "
-        "(--config.compilation_cache_dir; $JAX_COMPILATION_CACHE_DIR where set): 15 s "
-        "and 19 s.",
+        "Expect a few times a 1-step run (measured: benchmarks/results/planner_speed.md). "
+        "A second --plan_only in the same workdir loads the compiled steps from "
+        "WORKDIR/compilation_cache (--config.compilation_cache_dir; "
+        "$JAX_COMPILATION_CACHE_DIR where set), which is faster.",
     )
 
 

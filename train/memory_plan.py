@@ -32,11 +32,10 @@ compiled so far (:meth:`StepCompiler.predicted_peak`), and skips the plans predi
 than ``planner.PREDICTION_MARGIN`` over the budget (docs/design.md, "Memory planning").
 
 A run with ``compression.density_schedule`` trains one program per phase (a dense warm-up
-can peak well above the top-k phase: 1.30x for w+2d on GPT-2 medium,
-``benchmarks/results/density_schedule.md``), so a configuration fits when every phase
-does: the search compiles the last phase, and the other phases of each configuration
-whose last phase fits (:meth:`StepCompiler.over_phases`); the table names the phase that
-set each peak.
+can peak well above the top-k phase: ``benchmarks/results/density_schedule.md``), so a
+configuration fits when every phase does: the search compiles the last phase, and the
+other phases of each configuration whose last phase fits
+(:meth:`StepCompiler.over_phases`); the table names the phase that set each peak.
 
 :func:`plan_for_training` runs :func:`resireduce_jax.planner.fit` for ``memory.budget``
 before training, prints the table, writes ``memory_plan.json`` to the workdir, and
@@ -515,18 +514,17 @@ class StepCompiler:
         it holds the exchanges' and optimizers' temporaries, and moves by well under 1 % of
         the peak from one program to another (by half of it more, from another batch).
         Else it is the difference of their arguments, uncertain by half of it (a residual
-        variant's peak saving is 0.73-1.33 of its state saving,
-        ``benchmarks/results/peak_memory.md``) and, between two optimizers, by a quarter of
-        the peak (an optax optimizer's state through the guard's select: up to +24.8 %,
-        ``benchmarks/results/guard_cost.md``).
+        variant's peak saving against its state saving: ``benchmarks/results/peak_memory.md``)
+        and, between two optimizers, by a quarter of the peak (an optax optimizer's state
+        through the guard's select: ``benchmarks/results/guard_cost.md``).
 
         With whole-model Top-k (``compression.selection_scope="global"``) two exchanges'
         peaks are not compared at all (uncertainty ``inf``): every member of a shared or
         2-D store is compensated into a buffer of its own that lives until the one joint
-        selection, so a store's smaller residual can come with a higher peak (w+2d 1684.6
-        MiB against EF's 1646.6 on GPT-2 medium width,
-        ``benchmarks/results/peak_memory_global``), and that excess depends on what else
-        is alive at the exchange, so it does not carry from one model program to another.
+        selection, so a store's smaller residual can come with a higher peak (w+2d's above
+        EF's on GPT-2 medium width: ``benchmarks/results/peak_memory_global``), and that
+        excess depends on what else is alive at the exchange, so it does not carry from one
+        model program to another.
         """
         pair = (candidate.exchange, candidate.optimizer)
         peaks: dict[tuple, dict[tuple, int]] = {}  # (exchange, optimizer) -> (batch, plan) -> peak

@@ -511,9 +511,8 @@ def _phase_note(phases: list, report_phase: int, *, planned: bool) -> str:
         )
     else:
         note += (
-            " The others may peak higher (w+2d's dense warm-up on GPT-2 medium: 1.30x, "
-            "benchmarks/results/density_schedule.md); --plan_only with memory.budget "
-            "compiles every phase."
+            " The others may peak higher (measured: benchmarks/results/density_schedule.md); "
+            "--plan_only with memory.budget compiles every phase."
         )
     return note
 
