@@ -1,53 +1,13 @@
-r"""Compressed-momentum Adam: dense Adam, then the momentum sent compressed, error-fed.
+"""Compressed-momentum Adam: dense Adam, then the momentum sent compressed, error-fed.
 
-Adam and error feedback do not commute (Tang et al., "1-bit Adam: Communication Efficient
-Large-Scale Training with Adam's Convergence Speed", ICML 2021, §3): a residual released
-after many steps arrives as one large gradient, and Adam's per-coordinate normalization
-by :math:`\sqrt{v}` shrinks it to a step of the same size as any other, so most of what
-error feedback delayed is lost. 1-bit Adam therefore runs Adam densely for a warm-up,
-then **freezes the second moment** :math:`v` and sends each worker's *momentum*
-compressed with error feedback: with :math:`v` fixed the update is linear in the
-momentum, and error feedback's promise (everything held back is sent later) holds for
-the update itself.
-
-Per worker :math:`i` and step :math:`t` (Tang et al., Algorithm 1), with :math:`g_i` the
-worker's local gradient, :math:`m` and :math:`v` replicated moments and :math:`T_w` the
-warm-up:
-
-* warm-up, :math:`t \le T_w` (Adam on the dense mean gradient): the exchange is dense,
-  :math:`\bar g = \frac1N\sum_i g_i` (clipped to ``max_grad_norm`` by global norm),
-  :math:`m \leftarrow β_1 m + (1-β_1)\bar g`, :math:`v \leftarrow β_2 v + (1-β_2)\bar g^2`;
-* compression, :math:`t > T_w`: each worker forms its local momentum
-  :math:`m_i = β_1 m + (1-β_1) g_i` (:math:`g_i` clipped by its own global norm to
-  ``max_grad_norm`` :math:`\cdot\sqrt N`, below), and the exchange sends it compressed
-  with error feedback: the new
-  :math:`m = \frac1N\sum_i D(Q(m_i + e_i))`, :math:`e_i \leftarrow m_i + e_i -
-  D(Q(m_i + e_i))`; :math:`v` is not updated;
-* after the warm-up the frozen :math:`v` is floored per leaf where it divides
-  (``nu_floor``, beyond the paper: a coordinate the warm-up saw no gradient for would
-  otherwise be divided by :math:`ε`);
-* every step: :math:`u = -η_t\big(\hat m/(\sqrt{\hat v} + ε) + λ p\big)` with
-  :math:`\hat m = m/(1-β_1^t)` and :math:`\hat v = v/(1-β_2^{\min(t, T_w)})` (decoupled
-  weight decay :math:`λ`, as AdamW).
-
-During the warm-up this is AdamW on the exact mean gradient, step for step. The momentum
-error :math:`e_i` lives in the exchange's residual stores: any exchange of
-:func:`~resireduce_jax.error_feedback` / :func:`~resireduce_jax.resireduce` works,
-so ResiReduce's shared groups, 2-D stores, bfloat16 residuals and the hierarchical
-layout all apply to the momentum residual (1-bit Adam and 0/1 Adam keep one full error
-buffer per worker). Its compressor decides the warm-up: it must start with a dense phase
-(:func:`~resireduce_jax.compressors.dense_warmup`,
-:func:`~resireduce_jax.compressors.schedule.with_dense_start`; sent in 16 bits by
-:func:`~resireduce_jax.compressors.schedule.with_dense_dtype`, the mean then that of a
-bfloat16 all-reduce), whose end freezes :math:`v`. Frozen too early, while the gradients
-are still in their initial transient, :math:`v` stays too large for the rest of the run;
-a 16-bit warm-up twice as long costs the bytes of the float32 one. Beyond the paper's
-1-bit compressor, any compressor works (Top-k here).
-
-The transform replaces both the exchange and the optimizer of a chain: it is the first
-(and usually only) transform, under ``jax.shard_map`` or ``jax.pmap`` like the exchanges.
-Local clipping needs every local gradient before the first exchange (a global norm), so
-with ``max_grad_norm`` the compressed phase holds all gradients of a worker at once.
+Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed", ICML 2021 (https://arxiv.org/abs/2102.02888), §3 and Algorithm 1.
+Adam and error feedback do not commute, so Adam runs densely for a warm-up first.
+Then the second moment is frozen and each worker's momentum is sent compressed.
+The momentum error lives in the exchange's stores, so ResiReduce's stores apply to it.
+The transform replaces both the exchange and the optimizer of a chain.
+The algorithm step by step and its warm-up: docs/design.md, "Compressed-momentum Adam
+(compressed_momentum.py)".
 """
 
 from __future__ import annotations

@@ -1,65 +1,13 @@
-r"""Deep Gradient Compression's own memory: momentum correction, local clipping, masking.
+"""Deep Gradient Compression's own memory: momentum correction, local clipping, masking.
 
-Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
-Distributed Training", ICLR 2018. The sparsifying *selection* of DGC is a compressor
-(:class:`~resireduce_jax.compressors.sparse.DGC`); this module is the rest of the method,
-the per-worker memory that replaces plain error feedback (GRACE's ``dgc`` memory does the
-same). Per worker :math:`k` and step :math:`t`, with :math:`g` the worker's local gradient:
-
-1. **Local gradient clipping** (§3.2, "Local Gradient Clipping"). Clipping by the global
-   L2 norm (Pascanu et al. 2013) is normally applied to the aggregated gradient; DGC
-   accumulates gradients on each node, so it clips each node's gradient *before* it is
-   added to the accumulation, with the threshold scaled by :math:`N^{-1/2}` ("the current
-   node's fraction of the global threshold if all N nodes had identical gradient
-   distributions"): :math:`g \leftarrow g\cdot\min(1, (c/\sqrt N)/\lVert g\rVert_2)`, the
-   norm taken over all leaves of the worker's gradient.
-2. **Momentum correction** (§3.2, "Momentum Correction"): the velocity, not the
-   gradient, is accumulated, :math:`u \leftarrow m\,u + g`, :math:`v \leftarrow v + u`.
-3. **Sparsification and exchange** (§3.1, Algorithm 1): :math:`v` is compressed (Top-k,
-   DGC's sampled threshold, ...), the sparse payloads are all-gathered and averaged over
-   the data axis (the compressors' own exchange, bit-identical on every worker), and the
-   mean :math:`\frac1N\sum_k \mathrm{sparse}(v_k)` is the update.
-4. **Momentum factor masking** (§3.3, "Momentum Factor Masking"): at the positions that
-   were sent, both :math:`v` (what was sent leaves the accumulation) and :math:`u` (stale
-   momentum is not carried on) are set to zero.
-
-Since momentum is applied *before* compression, the optimizer after this transform must
-be plain SGD **without** momentum: :math:`w \leftarrow w - η\cdot\mathrm{update}` (DGC §3.2:
-:math:`w_{t+1} = w_t - η\sum_k \mathrm{sparse}(v_{k,t})`).
-:func:`deep_gradient_compression` builds that chain. Adding momentum (or Adam) after
-it would apply momentum twice.
-
-Leaves that are not compressed (``ndim <= 1`` or fewer than ``min_size`` elements, the
-rule of :func:`~resireduce_jax.error_feedback`) travel dense (``pmean``) and get ordinary
-heavy-ball momentum on the mean, :math:`u \leftarrow m\,u + \overline{g}`, with ``u``
-replicated: with nothing left unsent, per-worker velocities would all be sent at once and
-masking would clear the momentum every step, and the mean of per-worker momenta equals
-the momentum of the mean (the update is linear), so one replicated buffer suffices.
-
-**Combination with ResiReduce's reduced residuals** — not offered, by design:
-
-* Shared groups (ResiReduce-a/-w) keep one residual for several same-shaped leaves. DGC's
-  memory is two leaf-sized buffers per leaf, and neither can be shared. Momentum
-  correction needs the per-element history of *this* leaf's gradients in :math:`u`;
-  a shared :math:`u` would be a momentum of the sum of several layers' gradients, applied
-  to each of them. A shared :math:`v` would mix velocities: what layer A did not send
-  would be sent as layer B's update (error feedback's residual sharing rests on residuals
-  being similar and small; velocities carry the momentum-amplified gradient itself), and
-  momentum factor masking would have to zero the shared buffer at the union of the
-  members' sent positions, discarding other members' unsent velocity.
-* Intra-layer stores (ResiReduce-d/-2d) keep only the top rows/columns of a residual.
-  :math:`u` is the optimizer's momentum: dropping rows of it changes the optimizer, not
-  just the unsent error. Keeping only rows of :math:`v` would drop accumulated velocity
-  that DGC's staleness analysis (§3.3) assumes is sent later, and would save at most half
-  of DGC's two buffers.
-
-So :func:`dgc_memory` keeps ``u`` and ``v`` per compressed leaf and has no ``grouping``;
-use :func:`~resireduce_jax.resireduce` (error feedback without momentum correction) with
-any optimizer for reduced residuals.
-
-State: :class:`DGCState`. Its per-worker leaves (``momentum``, ``velocity`` and
-per-worker compressor state) get a leading worker axis sharded on the data axis under
-:func:`resireduce_jax.parallel.data_parallel_step`, like an exchange state's residuals.
+Lin et al., "Deep Gradient Compression", ICLR 2018 (https://arxiv.org/abs/1712.01887).
+DGC's selection is a compressor (compressors.sparse.DGC); this module is its per-worker memory.
+Each worker clips its gradient, accumulates velocity, sends it compressed and masks what it sent.
+The optimizer after it must be plain SGD without momentum: deep_gradient_compression builds it.
+Leaves too small to compress travel dense with one replicated heavy-ball momentum.
+It offers no grouping: DGC's two buffers per leaf cannot be shared or cut to rows.
+The four steps, and why reduced residuals are not offered: docs/design.md, "DGC's memory
+(dgc.py)".
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """Layer stacks: leaves that hold one weight of every layer, seen layer by layer.
 
-Models that scan over their layers (Flax's ``nn.scan``, ``nnx.scan``) keep each weight of
-all their layers in one leaf with a layer axis: GPT-2 scanned over its blocks has one
-``h/attn/c_attn/kernel`` of shape ``[24, 1024, 3072]`` instead of ``h_0/...`` to
-``h_23/...``; MaxText stacks along axis 1. ResiReduce is about layers (Top-k per layer,
-residuals shared by adjacent layers, §4.1–§4.3), so the exchange transforms take
-``layer_stacks={regex: axis}``, which declares which leaves are stacks and along which
-axis, and then treat every slice along that axis as a layer of its own.
-
-This module owns that view, from paths and shapes alone:
-
-* **Which leaves.** A pattern is ``re.search``-ed in a leaf's path, as every path rule
-  of the library (:mod:`resireduce_jax.tree_paths`), but only a match that is a whole
-  run of path keys counts: it starts at the path's start or after a ``/`` and ends at a
-  ``/`` or at the end of the path (``"h"`` matches ``h/attn/c_attn/kernel``, not
-  ``head/kernel`` or ``lm_head/kernel``; ``"^layers/"`` matches ``layers/mlp/kernel``,
-  its prefix ending before the ``/``). The first pattern that matches decides the axis;
-  one that matches no leaf raises.
-* **Slice paths.** Slice ``i`` of a stack is named by inserting ``/i`` where the prefix
-  ends: pattern ``"h"`` turns ``h/attn/c_attn/kernel`` into ``h/3/attn/c_attn/kernel``,
-  pattern ``"decoder/layers"`` turns ``decoder/layers/mlp/wi/kernel`` into
-  ``decoder/layers/3/mlp/wi/kernel``, and a pattern that matches a whole path appends the
-  index (``.../kernel/3``).
-* **The unstacked pytree.** The stacked transform is defined as the same transform on the
-  *unstacked* pytree: the tree in which the node at a stack's prefix is a list of its
-  slices' subtrees (``{"h": [{"attn": ...}, ...]}``), so that every slice is a leaf at its
-  slice path. :class:`Layout` lists these leaves (:class:`Unit`) in that tree's flatten
-  order, which is the order in which keys are drawn and groups are ordered, and
-  :meth:`Layout.view` is a pytree of their shapes on which grouping rules, ``intra_layers``
-  and store planning see slice paths. Every leaf under a stack's prefix must therefore be
-  a stack of as many slices at that prefix (otherwise the unstacked tree does not exist).
-
-Without ``layer_stacks`` every unit is a whole leaf and the view is the params themselves.
+Scanned models keep each weight of all their layers in one leaf with a layer axis.
+ResiReduce works per layer, so layer_stacks={regex: axis} makes every slice a layer.
+A pattern must match a whole run of path keys: "h" matches h/..., not head/...
+Slice i of a stack is named by inserting /i where the prefix ends.
+Layout lists the slices in the unstacked pytree's flatten order; view gives their shapes.
+Without layer_stacks every unit is a whole leaf.
+Which leaves, slice paths and the unstacked pytree: docs/design.md, "Layer stacks" and
+"Layer stacks' view (layer_stacks.py)".
 """
 
 from __future__ import annotations

@@ -1,60 +1,13 @@
 """Skipping non-finite steps on every worker at once, without holding gradients for it.
 
-Error feedback has a long memory: a NaN or Inf that reaches a residual is sent again and
-again and poisons every later step. :func:`skip_nonfinite` wraps the whole optax chain
-(exchange transform and optimizer): if *any* worker's step is non-finite, *every* worker
-skips it — no parameter moves, optimizer moments and counters stay as they were — so
-workers stay consistent, and no non-finite value is ever stored. Skips are counted in the
-state, with the index of the first offending leaf.
-
-Unlike ``optax.apply_if_finite``, the decision comes from every worker's local values
-(one scalar ``pmin`` over the axis): after a compressed exchange a NaN on one worker may
-not show in the averaged update at all, yet sit in that worker's residual.
-
-Three modes (docs/design.md, "The non-finite guard"):
-
-* **loss** (default). The decision is taken from the *loss*, after the forward pass and
-  before the backward pass: the step function computes ``loss_ok`` (every worker's loss
-  is finite, one scalar ``pmin``), seeds the backward pass with it and passes it as
-  ``tx.update(grads, state, params, loss_ok=loss_ok)``; :func:`value_and_guarded_grad`
-  does both, and :func:`resireduce_jax.parallel.data_parallel_step` uses it for a guarded
-  chain. A step whose loss is non-finite on any worker is skipped as in strict mode
-  (every state bit-identical; ``bad_leaf`` is ``LOSS``). On the other steps a gradient
-  element that is NaN/Inf (an overflow in the backward pass under a finite loss) is
-  replaced by zero locally, so nothing non-finite is ever sent or stored, and the step
-  goes on; such elements are not counted (counting them needs a reduction over every
-  gradient, which is what costs memory; use strict to skip and count them). Because the
-  decision exists before the first gradient does, nothing waits for it: each gradient
-  streams through the exchange and the optimizer as in an unguarded step (measured with
-  the skip-aware ``sgd``, ``adamw_r``, ``lion_r``, ``adan_r``: at or below the unguarded
-  compiled peak, ``benchmarks/results/guard_cost.md``). Called
-  without ``loss_ok`` (a hand-written step that does not decide from the loss), it
-  decides from the gradients exactly like strict.
-* **strict**. The decision comes from the gradients of every worker and gates them
-  before the exchange (``-0.0`` on a skipped step, so ``G + R == R`` exactly): any
-  NaN/Inf gradient skips the step, and every state, residuals included, is
-  bit-identical to a run without that step. Every gradient is alive until the decision
-  at the end of the backward pass, and every update is ordered after it: from -3.9 % of
-  the unguarded peak where activations dominate to about +20 % where gradients do (a
-  wide MLP).
-* **lean**. Each gradient is sanitized locally, element by element (NaN/Inf -> 0), and
-  streams through the exchange as in an unguarded step; the one late scalar decision
-  (from the gradients, like strict) only gates what is updated in place anyway: the
-  parameter update (zero), the moments of skip-aware optimizers (kept exactly, see
-  :func:`register_skip_aware`), counters, compressor state, and the residual stores'
-  writes: shared and intra-layer stores keep their residual exactly, a leaf's own
-  residual takes back what the exchange took out of it and holds
-  ``G~ = sanitize(G) + R``: the step's finite local gradient is deferred to later steps,
-  like anything error feedback has not sent yet, never applied. The exchanged means wait
-  for the late decision of the skip-aware optimizers, so it is dearer than strict on
-  most measured models.
-
-Optimizers whose state is not skip-aware (optax's own) are guarded by a final
-``where(ok, new, old)`` over their state (``guard_optimizer_state=True``): XLA then keeps
-old and new moments side by side (measured: one moment-sized buffer per leaf). Use this
-library's skip-aware optimizers (:func:`resireduce_jax.optimizers.sgd`, ``adamw_r``,
-``lion_r``, ``adan_r``) to avoid that, or ``guard_optimizer_state=False`` to let a
-skipped step feed the optimizer a zero gradient (moments decay once, counters advance).
+A NaN that reaches an error-feedback residual is sent again and poisons every later step.
+skip_nonfinite wraps the whole optax chain: if any worker's step is non-finite, all skip it.
+The decision comes from every worker's local values, one scalar pmin over the axis.
+Modes: loss (default, decided before the backward pass), strict and lean.
+Optimizers that are not skip-aware (optax's own) are guarded by a where over their state.
+Their cost at the compiled peak: benchmarks/results/guard_cost.md.
+The modes in detail: docs/design.md, "The non-finite guard" and "The guard's modes
+(nonfinite.py)".
 """
 
 from __future__ import annotations

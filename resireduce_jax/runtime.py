@@ -1,48 +1,13 @@
 """XLA settings for simulated multi-device CPU runs, and the reasons behind each one.
 
-Data-parallel code is developed and tested here on one CPU that XLA splits into
-``num_devices`` simulated devices. Four XLA:CPU behaviours matter for this library
-(``docs/design.md``, "JAX/XLA facts the code relies on"); :func:`configure_cpu` sets
-the flags that address them:
-
-* ``--xla_force_host_platform_device_count=N`` gives ``N`` CPU devices.
-* ``--xla_cpu_collective_call_{warn_stuck,terminate}_timeout_seconds`` make a stuck
-  collective (for example after a peer died) fail fast instead of hanging.
-* ``--xla_cpu_experimental_ynn_fusion_type=`` (empty) disables the YNNPACK fusion that
-  returned NaN for ``(a @ ones).sum()`` with jaxlib 0.10.2.
-* ``--xla_disable_hlo_passes=cse_barrier_expander,small-while-loop-hoisting`` keeps
-  ``jax.checkpoint``'s (and this library's) optimization barriers; XLA:CPU otherwise
-  removes them early in its pipeline, before later simplification and CSE passes, which
-  then merge the recomputation back and silently undo rematerialization. Kept barriers
-  need the second pass off: it compiles a while loop that accesses few bytes as one
-  kernel, whose emitter does not handle a barrier and aborts the process (jaxlib 0.10.2,
-  "Check failed: buffer != nullptr"; a ``jax.checkpoint`` inside a small ``fori_loop`` is
-  enough).
-* ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` schedules for memory rather
-  than for concurrency, so that compiled peak-memory figures are meaningful.
-* ``analysis_only``: a process that compiles programs only to read their
-  ``memory_analysis()`` and ``cost_analysis()`` (the memory planner's ``--plan_only``) and
-  never runs them compiles with LLVM's optimization off
-  (``--xla_backend_optimization_level=0``) and without XLA:CPU's loop unrolling, SLP
-  vectorizer and tiled fusion emitter (:data:`ANALYSIS_CODEGEN`, which only
-  ``--xla_backend_extra_options`` sets). Those change the generated code alone: XLA's HLO
-  passes, schedule and buffer assignment, and so both analyses, stay the optimized
-  program's (``docs/design.md``, "Compiling for analysis").
-* ``PJRT_NPROC`` (``intra_op_threads``) sizes XLA:CPU's intra-op (Eigen) thread pool.
-  XLA makes it ``max(cores, devices of this process)``, and Eigen's matrix products cut
-  their sums by the pool's size, so by default a worker's local gradient rounds
-  differently in a process that drives 4 devices than in one that drives 8 (on a machine
-  with fewer cores). The processes of a job that all pass the same value
-  (:func:`default_intra_op_threads` of the whole job's devices) compute every local
-  gradient bit for bit alike in every process layout.
-
-Every flag is added whatever the platform. The host-device and ``xla_cpu_*`` flags only
-affect XLA:CPU; GPU and TPU backends ignore them. ``--xla_disable_hlo_passes`` applies to
-every backend: XLA:GPU runs that pass only after scheduling and its own
-rematerialization, so there it changes no schedule; the barriers then stay in the
-compiled HLO as no-ops (XLA:GPU emits nothing for them), which lets
-:func:`resireduce_jax.remat.compile_gradient` count them and check that a remat plan
-survived compilation on any backend.
+Code is developed and tested here on one CPU that XLA splits into simulated devices.
+configure_cpu sets the flags: the device count, fail-fast stuck collectives, no YNNPACK
+fusion, barriers kept for remat, and the memory-optimizing scheduler.
+analysis_only compiles with code generation optimizations off, for programs never run.
+intra_op_threads sizes the Eigen pool, so every process layout rounds alike.
+GPU and TPU ignore the CPU flags; the barrier pass is harmless there.
+Each flag and why: docs/design.md, "XLA flags for CPU runs (runtime.py)" and "JAX/XLA
+facts the code relies on".
 """
 
 from __future__ import annotations

@@ -1,44 +1,13 @@
 """Builds the optax chain of a run from its config: compression transform, schedule, optimizer.
 
-The chain is ``[gradient exchange] -> [optimizer]``: the exchange turns each worker's local
-gradients into the global mean (dense, compressed, error feedback or ResiReduce) and comes
-first, so the optimizer state stays replicated and only residuals are per worker.
-
-One vocabulary for residual variants. ``compression.variant`` (the paper's names) maps to
-the exchange, and for ResiReduce to ``resireduce_jax.resireduce(inter=..., intra=...)``,
-here only (:func:`resireduce_arguments`, on :func:`train.config_schema.parse_variant`):
-
-=========  ============================================  ============  ==========
-variant    exchange                                      ``inter``     ``intra``
-=========  ============================================  ============  ==========
-``dense``  ``compressed_mean(compressors.none())``       —             —
-``none``   ``compressed_mean(compressor)``, no residual  —             —
-``ef``     ``error_feedback(compressor)``                —             —
-``a``      ``resireduce(compressor, ...)``               ``average``   ``none``
-``w``      ``resireduce``                                ``weighted``  ``none``
-``d``      ``resireduce``                                ``none``      ``rows``
-``2d``     ``resireduce``                                ``none``      ``2d``
-``a+d``    ``resireduce``                                ``average``   ``rows``
-``a+2d``   ``resireduce``                                ``average``   ``2d``
-``w+d``    ``resireduce``                                ``weighted``  ``rows``
-``w+2d``   ``resireduce``                                ``weighted``  ``2d``
-=========  ============================================  ============  ==========
-
-(``resireduce(inter="none", intra="none")`` is error feedback too; ``ef`` uses
-``error_feedback``, its residuals in ``compression.residual_dtype``.) The residual
-stores of a ResiReduce plan (:func:`build_store_plans`) then have a ``kind`` from the same
-words: a group of several layers gets the ``inter`` kind (``average`` / ``weighted``), a
-single layer that ``intra_layers`` selects gets the ``intra`` kind (``rows`` / ``2d``), any
-other layer a full ``leaf`` residual. ``dgc`` is Deep Gradient Compression's own memory
-(:func:`resireduce_jax.dgc_memory`: momentum correction, local clipping, momentum factor
-masking) followed by SGD without momentum; it needs ``optimizer.name = "sgd"``.
-
-The compressor's density follows ``compression.density_schedule``
-(:func:`density_schedule`): a dense warm-up and DGC's warm-up stages, as fractions of the
-run's steps. ``optimizer.name = "compressed_momentum_adam"`` (or ``"..._sgd"``) replaces
-the chain by :func:`resireduce_jax.compressed_momentum_adam` (``..._sgd``) around the
-variant's exchange: each worker's momentum is exchanged compressed, its error in the
-variant's residual stores (Adam: after a dense warm-up that estimates the second moment).
+The chain is the gradient exchange, then the optimizer, so the optimizer stays replicated.
+compression.variant (the paper's names: ef, a, w, d, 2d, w+2d, ...) maps to the exchange here.
+ResiReduce's store kinds use the same words: a group gets inter's, a 2-D layer intra's.
+dgc is Deep Gradient Compression's memory followed by SGD without momentum.
+The density follows compression.density_schedule, as fractions of the run's steps.
+compressed_momentum_adam replaces the chain around the variant's exchange.
+The variant table and the store kinds: docs/design.md, "Config to optax chain
+(train/factory.py)".
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """BERT encoder with a SQuAD span-prediction head (start and end logits per token).
 
 Devlin et al., "BERT: Pre-training of Deep Bidirectional Transformers for Language
-Understanding" (NAACL 2019, arXiv 2018): token + learned position + segment embeddings,
-LayerNorm and dropout (§3, Fig. 2), then post-LayerNorm transformer layers (Vaswani et al.
-2017): ``LN(x + dropout(dense(attention(x))))`` and ``LN(h + dropout(dense(gelu(dense(h)))))``.
-For SQuAD (§4.2) a single linear layer ``qa_outputs`` maps every final hidden state to a
-start and an end logit. Like Hugging Face's ``BertForQuestionAnswering``, there is no pooler.
-
-Sizes (``num_layers``, ``width``, ``num_heads``): base 12/768/12 (108.89M encoder
-parameters + 1,538 in the head), large 24/1024/16 (334.09M + 2,050). Vocabulary 30,522
-WordPiece tokens, 512 positions, 2 segment types, GELU (erf form), LayerNorm epsilon 1e-12,
-dropout 0.1 on hidden states and attention probabilities, weights initialized with a
-truncated normal of std 0.02.
-
-Parameter names follow Hugging Face's ``BertModel``: ``embeddings/word_embeddings``,
-``embeddings/position_embeddings``, ``embeddings/token_type_embeddings``,
-``embeddings/LayerNorm``, ``encoder/layer_{i}/attention/self/{query,key,value}``,
-``encoder/layer_{i}/attention/output/dense``, ``encoder/layer_{i}/attention/output/LayerNorm``,
-``encoder/layer_{i}/intermediate/dense``, ``encoder/layer_{i}/output/dense``,
-``encoder/layer_{i}/output/LayerNorm``, ``qa_outputs``. With ``scan_layers=True`` the
-layers are one ``nn.scan`` named ``encoder/layer`` (every leaf with a leading layer axis).
-Dense kernels are Flax's ``[in, out]`` (the transpose of torch's ``Linear.weight``);
-embedding tables are ``[vocab, width]`` as in torch.
-
-Calling it::
-
-    model = BertForQuestionAnswering(BertConfig())
-    variables = model.init(key, input_ids, token_type_ids, attention_mask)   # int [batch, len]
-    start_logits, end_logits = model.apply(
-        variables, input_ids, token_type_ids, attention_mask,
-        train=True, rngs={"dropout": key})                                   # float32 [batch, len]
-
-``attention_mask`` is 1 for real tokens and 0 for padding (padding is never attended to);
-``token_type_ids`` is 0 for the question and 1 for the context. Both default to "all 0/1".
+Understanding", NAACL 2019 (https://arxiv.org/abs/1810.04805), §3 and §4.2.
+Post-LayerNorm transformer layers; a linear qa_outputs gives a start and an end logit.
+Parameter names follow Hugging Face's BertModel; kernels are Flax's [in, out].
+With scan_layers=True the layers are one nn.scan named encoder/layer.
+attention_mask is 1 for real tokens; token_type_ids is 1 for the context.
+Sizes, names and a calling example: docs/design.md, "BERT (models/bert.py)".
 """
 
 from __future__ import annotations

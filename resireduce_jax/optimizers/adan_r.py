@@ -1,79 +1,13 @@
-r"""Adan-R: the official Adan with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.2).
+"""Adan-R: the official Adan with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.2).
 
-**The algorithm** is the official Adan implementation (sail-sg/Adan, ``adan.py``), whose
-betas are *decay* factors (default ``(0.98, 0.92, 0.99)``; the paper writes
-``1 − β`` for them). With :math:`k` the 1-based step and :math:`\tilde g_k` the gradient
-(times the clip factor :math:`s_k = \min(1, c/(\lVert g_k\rVert + ε))` when
-``max_grad_norm = c`` is set):
-
-.. math::
-    d_k &= \tilde g_k - \tilde g_{k-1}\quad (d_1 = 0)\\
-    m_k &= β_1 m_{k-1} + (1-β_1)\,\tilde g_k\\
-    v_k &= β_2 v_{k-1} + (1-β_2)\,d_k\\
-    n_k &= β_3 n_{k-1} + (1-β_3)\,(\tilde g_k + β_2 d_k)^2\\
-    D_k &= \sqrt{n_k}/\sqrt{1-β_3^k} + ε\qquad (ε \text{ outside the root})\\
-    Δ_k &= η_k\Big(\frac{m_k}{1-β_1^k} + \frac{β_2\, v_k}{1-β_2^k}\Big)/D_k\\
-    θ_{k+1} &= (θ_k - Δ_k)/(1 + η_k λ_k)\ \text{(prox, default)}\quad\text{or}\quad
-               θ_k(1 - η_k λ_k) - Δ_k\ \text{(no\_prox)}.
-
-``optax.adan`` differs from this from step 2 on: it uses :math:`1-β_2` where the official
-update uses :math:`β_2` (in :math:`n_k` and in :math:`Δ_k`), puts ``eps_root`` inside the
-root and decays weights additively. ``adan_r`` follows the official code; the tests
-compare it with an independent float64 NumPy transcription of it.
-
-**Memory.** Adan keeps the previous gradient. In PyTorch, Adan-R writes the
-denominator into that buffer once it is dead. In a jitted JAX step the element-wise
-temporaries are fused anyway; what costs memory is a *copy*: the new previous gradient
-is the incoming gradient itself, and if it is returned in a different buffer than the
-one it arrived in, XLA copies it (and, since the old previous gradient is still read,
-keeps a second parameter-sized buffer alive). Adan-R avoids both:
-
-* In an optimizer-only step, pass the gradients **before** the state,
-  ``step(params, grads, opt_state)``, all donated. JAX pairs donated inputs with outputs
-  of the same shape and dtype in order, so the gradient's buffer becomes the new
-  ``prev_grad`` (no copy), the old ``prev_grad`` buffer receives the new ``exp_avg_sq``,
-  the old ``exp_avg_sq`` buffer the new ``exp_avg`` and the old ``exp_avg`` buffer the
-  new ``diff_carry``. That is why the state fields come in this order. (Since the new
-  previous gradient is written after the :math:`n` update, below, the state-first order
-  is copy-free too, at the same compiled peak.)
-* Such a hand-over is only copy-free if each old buffer is read by no fusion that runs
-  after its new owner is written. The old previous gradient would have two readers
-  (the updates of :math:`v` and :math:`n`), which makes the hand-over cyclic. So the
-  state keeps, instead of :math:`v_k`, the carry :math:`w_k = β_2 v_k - (1-β_2)\tilde
-  g_k`, from which :math:`v_{k+1} = w_k + (1-β_2)\tilde g_{k+1}` needs no previous
-  gradient: only the :math:`n` update reads it. The step reads :math:`v_{k+1} = (w_{k+1}
-  + (1-β_2)\tilde g_{k+1})/β_2` back from the *new* carry, so that the old carry, too,
-  has a single reader (in a train step it is overwritten in place). :math:`v` equals the
-  official one in exact arithmetic and differs by rounding (the tests bound it).
-* The hand-over also needs the writes in the order :math:`n \to m \to w`. A data
-  dependency pins it: the :math:`m` update reads :math:`m + \min(n_{new}, 0)` and the
-  :math:`w` update :math:`w + \min(|m_{new}|, 0)`. The added term is exactly 0 for every
-  non-NaN value (+inf included, and :math:`n \ge 0`), NaN where the value is NaN; that
-  element's update is NaN in official Adan too, so results are unchanged while XLA must
-  finish one update before it starts the next. (``optimization_barrier`` would do the
-  same, but XLA:CPU drops barriers unless ``cse_barrier_expander`` is disabled, and each
-  barrier costs a small tuple buffer per leaf in a train step.)
-
-* In a train step the gradient is a temporary (the exchange's output) and the old previous
-  gradient a donated input. The new previous gradient, ``g + min(n_new, 0)`` (the same
-  dependency: ``g`` itself unless :math:`n_{new}` is NaN, where the element is lost in
-  official Adan too), is written into the old one's buffer after the :math:`n` update has
-  read it, and the :math:`m`, :math:`w` and parameter updates read it from there, so XLA
-  forms it right away and copies nothing (before, it copied the old previous gradient
-  away and the new one into place, two leaf-sized copies per leaf). Under a ``skip`` the
-  old previous gradient is kept and the step goes on with it; its states are kept and
-  its update is zero.
-
-With clipping, ``prev_grad`` holds the raw gradient and ``prev_grad_scale`` its clip
-factor, so the stored gradient is still the incoming buffer itself.
-
-**Precision.** The scalars (step count, bias corrections, learning rate, weight decay,
-clip factor) are float32 for float32 and bfloat16 parameters and float64 for float64
-parameters (``jax_enable_x64``; :func:`~resireduce_jax.optimizers._common.scalar_dtype`),
-so a float64 run matches float64 official Adan to rounding (the tests: 1e-12).
-
-See :func:`resireduce_jax.optimizers.optimizer_step` for a helper that picks the
-argument order.
+GSR: Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
+Reutilization", PRCV 2024 (https://github.com/adonis-dym/memory_reduced_optimizer).
+Adan: Xie et al., https://arxiv.org/abs/2208.06677; the update follows the official code.
+The state keeps a carry instead of Adan's v, so that no buffer has two late readers.
+Pass the gradients before the state, all donated: the gradient becomes the new prev_grad.
+Scalars are float64 for float64 parameters, so float64 runs match official Adan to rounding.
+The update, the buffer hand-over and the precision: docs/design.md, "Adan-R's update and
+buffers (optimizers/adan_r.py)".
 """
 
 from __future__ import annotations

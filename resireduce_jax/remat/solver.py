@@ -1,63 +1,13 @@
 """The rotor dynamic program for memory-persistent checkpointing of a chain, and its plans.
 
-A *plan* for a chain of ``L`` stages is a tree that maps one-to-one onto nested
-``jax.checkpoint``: a sequence of items covering ``[0, L)``, where
-
-* :class:`RunStage` ``(s)`` runs stage ``s`` unwrapped: under ``jax.grad`` it keeps its
-  whole history (``F_all`` in the paper);
-* :class:`Checkpoint` ``(s, j, body)`` wraps stages ``[s, j)`` in one ``jax.checkpoint``:
-  the forward pass keeps only ``x_s`` (``F_ck`` then ``F_n``), and the backward pass
-  recomputes the segment following ``body``, itself a plan for ``[s, j)``.
-
-A stage nested in ``k`` checkpoints runs its forward ``k + 1`` times.
-
-The dynamic program is the persistent one of Beaumont et al. (§4, Theorem 1 and
-Algorithm 1), written for what JAX executes and what XLA reports:
-
-``C(m, s, t)`` is the least time to process the segment ``[s, t)`` (its forward, then its
-backward down to ``δ_s``) in ``m`` bytes, given that ``x_s`` is held by the caller,
-that ``δ_t`` is counted in ``m`` until the backward of stage ``t - 1`` frees it (the
-paper's accounting: ``ω_δ`` of the segment's output is part of ``m`` in ``C_BP``), and
-that the parameter gradients of stages ``>= t`` are already written. Sizes:
-``a_i = |x_i|`` (and ``|δ_i|``), ``x̄_s`` what stage ``s`` keeps with full history
-(including ``x_{s+1}``), ``o_f``/``o_b`` forward/backward overheads, ``G_i`` the gradient
-bytes of stages ``>= i``; times ``u_f``/``u_b``, and ``u_r`` for computing only what a
-stage keeps for its backward pass. Two memory terms recur: ``F_all`` of stage ``s`` inside
-``[s, t)`` needs ``fa(s, t) = a_t + G_t + x̄_s + o_f(s)``, and its backward ``B`` (reading
-``δ_{s+1}`` and ``x̄_s``, writing ``δ_s`` and its gradient) needs
-``b(s) = x̄_s + a_{s+1} + a_s + G_s + o_b(s)``.
-
-* one stage (``t = s + 1``): ``u_f + u_b`` if ``m >= max(fa(s, t), b(s))``;
-* "all" (``F_all`` of stage ``s``, then ``[s+1, t)`` with ``x̄_s`` less memory, then
-  ``B`` of ``s`` once ``δ_t`` is freed): ``u_f(s) + u_b(s) + C(m - x̄_s, s + 1, t)``, if
-  ``m >= max(fa(s, t), b(s))``;
-* "leaf j" (``s < j < t``; ``F_ck``/``F_n`` sweep of ``[s, j)`` keeping only ``x_j``,
-  then ``[j, t)`` holding ``x_j``, whose backward frees ``x_j`` and ``δ_t`` and leaves
-  ``δ_j``, then the recomputation of ``[s, j)``):
-  ``Σ_{k=s}^{j-1} u_f(k) + C(m - a_j, j, t) + C(m, s, j) - u_f(j-1) + u_r(j-1)``,
-  if ``m >= a_t + G_t + max_{s<=k<j} (a_k [k > s] + a_{k+1} + o_f(k))`` (the sweep). The
-  recomputation of ``[s, j)`` never needs ``x_j`` (it exists), and JAX prunes what only
-  stage ``j - 1``'s output needs (all of a linear layer, say), hence ``u_r`` instead of
-  ``u_f`` there.
-
-Freeing ``δ_t`` after its backward is what XLA does with the executor's programs: on
-chains whose cotangents differ in size from stage to stage, the compiled peak follows
-this accounting and not one that holds ``δ_t`` through the whole segment
-(``docs/remat.md``, "Memory accounting"; ``benchmarks/remat.py --accounting``).
-
-Unlike the paper's model, parameter gradients count from the moment they are written:
-``memory_analysis()`` reports arguments + outputs + temporaries, but XLA places
-temporaries in output buffers that are not written yet, so the figure follows the live
-bytes, gradients included as they appear. Parameters and the chain input are held
-throughout; the output cotangent ``δ_L`` is the ``δ_t`` of the whole chain. Memory is
-discretised in ``slots`` slots (sizes rounded up, so predictions stay upper bounds of the
-model); the table is computed with numpy, vectorised over the memory axis and over all
-segments of one length: ``O(L³ · slots)`` work.
-
-References:
-  Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
-  heterogeneous chains: how to train deep neural networks with limited memory",
-  arXiv:1911.13214 (ACM TOMS 2024), §4 (persistent schedules, dynamic program).
+Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep neural
+networks with limited memory", ACM TOMS 2024 (https://arxiv.org/abs/1911.13214), §4.
+A plan is a tree of RunStage and Checkpoint items that maps onto nested jax.checkpoint.
+The table gives the least time for each segment and memory, as JAX executes it and XLA
+reports it: a cotangent is freed after its backward, gradients count once written.
+Memory is discretised in slots, rounded up, so predictions stay upper bounds.
+The recurrence, its memory terms and the accounting: docs/design.md, "Rotor's dynamic
+program (remat/solver.py)".
 """
 
 from __future__ import annotations
