@@ -169,7 +169,8 @@ def largest_batch(
     * ``"interpolate"`` (default): compiled peaks are close to affine in the batch, so
       the next probe is where the line through the peaks nearest the budget crosses it,
       kept strictly inside the bracket, and every other probe bisects when the bracket
-      did not halve. The result is the same; usually 3-5 compilations instead of 2 log2.
+      did not halve. The result is the same, in fewer compilations (docs/design.md,
+      "Largest batch").
 
     A probe whose lower bound (``peak_bound``) exceeds the budget, or whose peak is
     predicted (``predicted_peak``) more than :data:`PREDICTION_MARGIN` over it, fails
