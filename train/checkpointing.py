@@ -1,40 +1,12 @@
 """Checkpoints with orbax: the whole train state, per-worker residuals included.
 
-A checkpoint holds ``{"step", "params", "opt_state", "model_state"}`` as global arrays
-(per-worker optimizer-state leaves — residuals — keep their leading worker axis) plus a
-JSON record of how it was written (number of workers, devices per node for the
-hierarchical exchange, which leaves are per worker).
-Orbax writes into a temporary directory (``<step>.orbax-checkpoint-tmp-*``), puts a commit
-marker (``commit_success.txt``) in it and renames it when complete, so a checkpoint
-interrupted mid-write (SIGKILL, node failure) is never listed as restorable. A step
-directory without the marker (e.g. a workdir copy that was cut short) is not complete
-either: :class:`Checkpointer` moves it aside to ``<step>.uncommitted`` with a warning.
-
-Changing the number of workers between runs, or the devices per node
-(``local_devices``: a hierarchical run keeps each residual sharded over a node's devices,
-so a device's residual arrays depend on it), follows ``on_worker_change``:
-
-* ``"error"`` (default): refuse, naming the layout that wrote the checkpoint and this
-  run's.
-* ``"average"``: give every new worker the mean of the old workers' per-worker leaves
-  (residuals). The next update applies ``mean_w R_w``, the part of the gradient that the
-  old workers still owed, so that pending global update is preserved exactly; how it is
-  split across workers is lost. Sharded residuals are put back together per node and
-  re-sharded for the new layout by the ``redistribute`` function
-  (``train.train.worker_redistribution``). Logged as a warning.
-
-An unset ``local_devices`` (flat exchange) and ``local_devices=1`` are the same layout.
-
-The train state is written by orbax's ``PyTreeCheckpointHandler`` with its own
-type-handler registry (:func:`state_handler`), whose ``jax.Array`` handler writes each
-replicated array from one device: orbax's default (outside GPU platforms) splits a
-replicated array's write over its replicas, compiling one ``jit(slice)`` per leaf shape
-and device on a run's first save (a measurable share of a short run: the figure is in
-benchmarks/results/README.md, "Figures measured outside the benchmarks") to write a few
-MiB from a host that holds every replica anyway. Arrays and the tree's
-metadata are written as orbax's default handler writes them (``StandardRestore`` and
-``final_state`` read them); orbax's optional per-array metadata store, a private module, is
-not passed, and restoring does not need it. The global registry is left as it is.
+A checkpoint holds step, params, optimizer state and model state, plus a JSON record.
+Orbax renames a checkpoint into place only when complete, behind a commit marker.
+A step directory without the marker is moved aside to <step>.uncommitted.
+A change of workers or devices per node follows on_worker_change: "error" or "average".
+The state is written with its own orbax handler: each replicated array from one device.
+The layouts, the averaging and the handler: docs/design.md, "Checkpoints
+(train/checkpointing.py)".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Input pipeline of the training program: ``get_dataset(config.dataset, seed=...)``.
 
-Every dataset samples training batches statelessly: global batch ``step`` is a pure
-function of ``(seed, step)`` (per-epoch permutations, augmentation drawn per step and
-row), so resuming at any step is bit-identical and any number of processes see the same
-global batch, each loading only its contiguous share of rows. Evaluation batches run
-over the whole evaluation split in a fixed order, padded to full size, with a float32
-``"mask"``. See ``docs/data.md`` for the datasets, their config fields and how to get
-their data.
-
-Datasets (``config.name``) and their extra config fields (all optional unless marked):
-
-* ``digits``: scikit-learn's 8x8 digits, offline.
-* ``pydoc_text``: byte-level LM on CPython's ``pydoc_data.topics``; ``context_length``.
-* ``stdlib_source``: byte-level LM on standard-library Python source; ``context_length``.
-* ``cifar100``: tfds ``cifar100``; ``augment``.
-* ``text_files``: LM on raw text files; ``train_files`` and ``eval_files`` (required
-  globs), ``tokenizer``, ``context_length``, ``cache_dir``.
-* ``tfds_text``: LM on a tfds text dataset; ``tfds_name`` (required), ``text_key``,
-  ``train_split``, ``eval_split``, ``tokenizer``, ``context_length``, ``cache_dir``.
-* ``squad``: tfds ``squad/v1.1`` with BERT WordPiece; ``vocab_file`` (required),
-  ``context_length``, ``doc_stride``, ``max_query_length``, ``max_answer_length``,
-  ``lowercase``, ``cache_dir``.
-
-Every dataset also accepts ``data_dir`` (tfds data directory; ``None`` for tfds's
-default). A field set to ``None`` takes its default.
+Training batches are stateless: global batch step is a pure function of (seed, step).
+So resuming is bit-identical, and each process loads only its own rows of that batch.
+Evaluation runs over the whole split in a fixed order, padded, with a float32 "mask".
+Datasets: digits, pydoc_text, stdlib_source, cifar100, text_files, tfds_text, squad.
+The datasets and how to get their data: docs/data.md; their config fields: docs/design.md,
+"Datasets and their fields (train/input_pipeline.py)".
 """
 
 from __future__ import annotations

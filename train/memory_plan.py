@@ -1,46 +1,13 @@
 """``memory.budget``: the training program's candidates for the memory planner, compiled.
 
-:mod:`resireduce_jax.planner` chooses among candidates from compiled peaks but does not
-know how to build a train step; :class:`StepCompiler` compiles the program's own step
-(:func:`train.compiled_step.compile_step`: the guarded, donated data-parallel step, from
-abstract shapes, nothing allocated, compiled for analysis) for each candidate of a
-config:
-
-* exchange: ``ef``, ``w+2d``, ``w+2d+bf16`` (:func:`train.compiled_step.with_variant`),
-  for a config with error feedback; a config without residuals keeps its own;
-* optimizer: ``original`` (optax's: ``optimizer.name = "optax.adamw"``) or ``r`` (this
-  library's memory-reduced one: ``adamw_r``, ``lion_r``, the skip-aware ``sgd``), where the
-  config's optimizer has both (:func:`optimizer_names`);
-* remat: ``none``, or ``rotor`` for chain models (ResNet, GPT-2, ViT): the fastest rotor
-  plan whose compiled *train step* fits the budget.
-
-The rotor search works on the rotor dynamic program's plans (:class:`resireduce_jax.remat.
-ChainPlanner`, one per batch size) ordered from fastest to leanest, keeping those that
-predict less memory than every faster one. The monolithic model without checkpoints comes
-first: when it fits, nothing is checkpointed. Otherwise the next plan compiled is the
-fastest one predicted to fit, from (in order) plans already compiled for another exchange
-or optimizer at this batch, shifted by the difference of the two monolithic steps (the
-gradient is the same), or the line from the model's predicted memory to the compiled step
-peak through the bracket's ends, or, with only the failing end compiled, the model's
-memory saving taken byte for byte from it. The bracket (plan that does not fit, plan that
-fits) shrinks until the two are neighbours, bisecting when a prediction did not halve it,
-or until ``max_plan_compiles`` are spent; the fastest fitting plan compiled is returned.
-
-Pruning (``prune=True``, the default) gives the planner a lower bound of every candidate's
-peak from shapes (:meth:`StepCompiler.peak_bound`) and predictions from the steps
-compiled so far (:meth:`StepCompiler.predicted_peak`), and skips the plans predicted more
-than ``planner.PREDICTION_MARGIN`` over the budget (docs/design.md, "Memory planning").
-
-A run with ``compression.density_schedule`` trains one program per phase (a dense warm-up
-can peak well above the top-k phase: ``benchmarks/results/density_schedule.md``), so a
-configuration fits when every phase does: the search compiles the last phase, and the
-other phases of each configuration whose last phase fits
-(:meth:`StepCompiler.over_phases`); the table names the phase that set each peak.
-
-:func:`plan_for_training` runs :func:`resireduce_jax.planner.fit` for ``memory.budget``
-before training, prints the table, writes ``memory_plan.json`` to the workdir, and
-returns the chosen configuration (config and, with checkpointing, the planned model);
-:func:`plan_only` does the same and trains nothing (``python -m train --plan_only``).
+resireduce_jax.planner chooses from compiled peaks but cannot build a train step.
+StepCompiler compiles the program's own step, from abstract shapes, for each candidate.
+Candidates: exchange (ef, w+2d, w+2d+bf16), optimizer (optax's or the R one), remat.
+The rotor search compiles few plans, predicting the others from those already compiled.
+With a density schedule a configuration fits only when every phase fits.
+plan_for_training and plan_only (python -m train --plan_only) print the table.
+The search and its pruning: docs/design.md, "Memory planning" and "The program's memory
+planner (train/memory_plan.py)".
 """
 
 from __future__ import annotations

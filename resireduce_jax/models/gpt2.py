@@ -1,29 +1,11 @@
 """GPT-2: a decoder-only, pre-LayerNorm transformer language model with a tied LM head.
 
-Radford et al., "Language Models are Unsupervised Multitask Learners" (2019), §2.3: the GPT
-decoder (Radford et al. 2018) with LayerNorm moved to the input of each sub-block, an extra
-LayerNorm after the last block, residual projections initialized with std
-``0.02 / sqrt(2 * num_layers)``, 1024 positions and a 50,257-token byte-level BPE vocabulary.
-The output projection shares its weights with the token embedding ``wte``.
-
-Sizes (``num_layers``, ``width``, ``num_heads``): small 12/768/12 (124.4M parameters),
-medium 24/1024/16 (354.8M), large 36/1280/20 (774.0M).
-
-Parameter names follow the reference implementation (OpenAI's TF code and Hugging Face
-``GPT2LMHeadModel``): ``wte``, ``wpe``, ``h_{i}/ln_1``, ``h_{i}/attn/c_attn``,
-``h_{i}/attn/c_proj``, ``h_{i}/ln_2``, ``h_{i}/mlp/c_fc``, ``h_{i}/mlp/c_proj``, ``ln_f``.
-With ``scan_layers=True`` the blocks are one ``nn.scan`` named ``h`` (``h/attn/c_attn``
-and so on, every leaf with a leading layer axis; :mod:`resireduce_jax.models.scan`).
-Dense kernels are Flax's ``[in, out]`` (the layout of GPT-2's ``Conv1D`` weights, the
-transpose of a torch ``Linear``); ``c_attn``'s output columns are ``[query | key | value]``,
-heads contiguous within each.
-
-Calling it::
-
-    model = GPT2(GPT2Config())
-    variables = model.init(key, tokens)                        # tokens: int [batch, length]
-    logits = model.apply(variables, tokens, train=True, rngs={"dropout": key})
-    # logits: float32 [batch, length, vocab_size]; position t predicts token t + 1.
+Radford et al., "Language Models are Unsupervised Multitask Learners", 2019, §2.3.
+LayerNorm sits at each sub-block's input; the output projection shares wte's weights.
+Parameter names follow OpenAI's code and Hugging Face's GPT2LMHeadModel.
+With scan_layers=True the blocks are one nn.scan named h, each leaf with a layer axis.
+Position t's logits predict token t + 1.
+Sizes, names and a calling example: docs/design.md, "GPT-2 (models/gpt2.py)".
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """ResNet with bottleneck blocks; ResNet-50 in the CIFAR layout by default.
 
-He et al., "Deep Residual Learning for Image Recognition" (CVPR 2016): bottleneck blocks
-(1x1 reduce, 3x3, 1x1 expand by 4, §4.1 "Deeper Bottleneck Architectures", Fig. 5) in four
-stages of 3/4/6/3 blocks for ResNet-50 (Table 1), identity shortcuts, and projection
-shortcuts (1x1 conv + BN, option B) where the shape changes. As in torchvision (and the
-ResiReduce reference code), a stage's stride sits on the 3x3 conv ("ResNet v1.5").
-
-``stem="cifar"`` (the default) replaces the ImageNet stem (7x7/2 conv and 3x3/2 max-pool)
-with a 3x3/1 conv and no pooling, the usual adaptation for 32x32 CIFAR images; with 100
-classes this is the ResiReduce paper's ResNet-50 on CIFAR-100 (23.7M parameters).
-``stem="imagenet"`` with 1000 classes is torchvision's ``resnet50`` (25.56M parameters).
-
-Parameter names follow torchvision: ``conv1``, ``bn1``, ``layer{1..4}_{block}/conv{1,2,3}``,
-``layer{s}_{b}/bn{1,2,3}``, ``layer{s}_0/downsample_conv``, ``layer{s}_0/downsample_bn``,
-``fc``. Conv kernels are HWIO (``[kh, kw, in, out]``; torch's are OIHW), the ``fc`` kernel is
-``[in, out]`` (the transpose of torch's ``Linear.weight``). Convolutions have no bias.
-
-Calling it (BatchNorm keeps running statistics in the ``batch_stats`` collection)::
-
-    model = ResNet(ResNetConfig())
-    variables = model.init(key, images)                 # images: float [batch, 32, 32, 3]
-    logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
-    variables = {**variables, **updates}                # new running statistics
-    logits = model.apply(variables, images)             # evaluation: running statistics
-
-In data-parallel training each worker computes batch statistics on its own shard (as
-PyTorch's BatchNorm does under DDP/Horovod) unless ``bn_axis_name`` names the mesh axis,
-which averages them over workers (synchronized BatchNorm).
+He et al., "Deep Residual Learning for Image Recognition", CVPR 2016
+(https://arxiv.org/abs/1512.03385): bottleneck blocks in four stages of 3/4/6/3.
+As in torchvision, a stage's stride sits on the 3x3 conv ("ResNet v1.5").
+stem="cifar" (default) uses a 3x3/1 stem for 32x32 images; stem="imagenet" is torchvision's.
+Parameter names follow torchvision; conv kernels are HWIO and have no bias.
+bn_axis_name names the mesh axis for synchronized BatchNorm.
+Names, sizes and a calling example: docs/design.md, "ResNet (models/resnet.py)".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """VGG with batch normalization, in torchvision's ``vgg19_bn`` layout.
 
-Simonyan & Zisserman, "Very Deep Convolutional Networks for Large-Scale Image Recognition"
-(ICLR 2015, arXiv 2014), configuration E (Table 1): 16 3x3 convolutions in five stages of
-2/2/4/4/4 separated by 2x2 max-pooling, then three fully connected layers 4096-4096-classes
-with dropout 0.5 after the first two. torchvision's ``vgg19_bn`` adds BatchNorm after every
-conv and an adaptive average pool to 7x7 before the classifier; that is the model the
-ResiReduce paper trains on CIFAR-100 (its 548.1 MB = 143.68M float32 parameters imply the
-1000-class classifier, which is therefore the default here).
-
-On 32x32 CIFAR images the features end at 1x1; the adaptive pool replicates that pixel to
-7x7 (what ``torch.nn.AdaptiveAvgPool2d((7, 7))`` does), so the classifier keeps its
-25088 x 4096 first layer.
-
-Parameter names are torchvision's ``features.{i}`` / ``classifier.{i}`` indices with ``_``:
-convolutions ``features_{0,3,7,10,14,17,20,23,27,30,33,36,40,43,46,49}``, each followed by
-its BatchNorm at the next index (``features_1``, ``features_4``, ...), and linears
-``classifier_0``, ``classifier_3``, ``classifier_6``. Conv kernels are HWIO, linear kernels
-``[in, out]`` (torch: OIHW and ``[out, in]``). ``classifier_0``'s input rows are ordered
-(height, width, channel) — NHWC flattening — whereas torch flattens (channel, height, width).
-
-Calling it (BatchNorm statistics in ``batch_stats``, dropout from the ``"dropout"`` stream)::
-
-    model = VGG(VGGConfig())
-    variables = model.init(key, images)                   # images: float [batch, 32, 32, 3]
-    logits, updates = model.apply(variables, images, train=True,
-                                  mutable=["batch_stats"], rngs={"dropout": key})
+Simonyan & Zisserman, "Very Deep Convolutional Networks for Large-Scale Image Recognition",
+ICLR 2015 (https://arxiv.org/abs/1409.1556), configuration E with BatchNorm.
+The 1000-class classifier is the default: the ResiReduce paper's model size implies it.
+On 32x32 images the adaptive pool replicates the last pixel to 7x7, as torch does.
+Parameter names are torchvision's indices with "_"; kernels are HWIO and [in, out].
+Names, layout and a calling example: docs/design.md, "VGG (models/vgg.py)".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Vision Transformer (ViT) image classifier with a class token.
 
 Dosovitskiy et al., "An Image is Worth 16x16 Words: Transformers for Image Recognition at
-Scale" (ICLR 2021): the image is cut into non-overlapping ``patch_size`` patches, each
-linearly embedded (a strided convolution), a learned class token is prepended and learned
-position embeddings added (§3.1, Eq. 1); pre-LayerNorm transformer blocks with GELU MLPs
-follow (Eq. 2-3), and a linear head reads the final-LayerNorm'ed class token (Eq. 4).
-Dropout defaults to 0.1, the rate of the paper's ImageNet training (Table 3).
-
-Sizes (``num_layers``, ``width``, ``num_heads``, ``mlp_dim``): S/16 12/384/6/1536 (22.05M
-parameters at 224x224 and 1000 classes), B/16 12/768/12/3072 (86.57M), L/16
-24/1024/16/4096 (304.3M). ViT-S is from Steiner et al. / Touvron et al. (DeiT-S).
-
-Parameter names follow timm's ``VisionTransformer``: ``patch_embed`` (timm's
-``patch_embed.proj``), ``cls_token``, ``pos_embed``, ``blocks_{i}/norm1``,
-``blocks_{i}/attn/qkv``, ``blocks_{i}/attn/proj``, ``blocks_{i}/norm2``,
-``blocks_{i}/mlp/fc1``, ``blocks_{i}/mlp/fc2``, ``norm``, ``head``. Dense kernels are
-Flax's ``[in, out]`` (the transpose of torch's ``Linear.weight``), the patch embedding
-kernel is HWIO ``[patch, patch, channels, width]``; ``qkv``'s output columns are
-``[query | key | value]``, heads contiguous within each (timm's layout).
-
-Calling it::
-
-    model = VisionTransformer(ViTConfig())
-    variables = model.init(key, images)             # images: float [batch, 224, 224, 3]
-    logits = model.apply(variables, images, train=True, rngs={"dropout": key})
+Scale", ICLR 2021 (https://arxiv.org/abs/2010.11929), §3.1.
+Patches are embedded by a strided convolution; a class token and positions are added.
+Pre-LayerNorm blocks with GELU MLPs follow; a linear head reads the class token.
+Parameter names follow timm's VisionTransformer; dense kernels are [in, out].
+Sizes, names and a calling example: docs/design.md, "ViT (models/vit.py)".
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Memory-reduced optimizers by gradient-space reutilization: AdamW-R, Adan-R, Lion-R.
 
 Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
-Reutilization" (PRCV 2024). In PyTorch the saving is one parameter-sized buffer at the
-optimizer-step peak: a temporary is written into a gradient-sized buffer that is dead by
-then. In a jitted JAX step XLA fuses element-wise temporaries itself; the JAX version of
-the idea is about **write order and buffer aliasing**: with parameters and state
-donated, no state buffer's old value may be read after another fusion overwrote it in
-place (else XLA inserts a full ``copy``), and Adan's previous gradient should be the
-donated incoming gradient itself. Each optimizer's module explains its order.
-
-* :func:`adamw_r` — bit-identical to ``optax.adamw``.
-* :func:`lion_r` — Lion with the paper's reordering (equal to ``optax.lion`` in exact
-  arithmetic); removes the momentum copy ``optax.lion`` makes.
-* :func:`adan_r` — the official Adan (sail-sg), not ``optax.adan`` (which differs from
-  step 2 on); no copies of the previous gradient.
-* :func:`sgd` — ``optax.sgd`` bit for bit, able to skip a step in place (the CNN configs'
-  optimizer under :func:`resireduce_jax.skip_nonfinite`).
-* :func:`optimizer_step` — jitted, donated optimizer-only step with the argument order
-  that lets XLA reuse every buffer.
-* :func:`get_optimizer` — any of these, or an optax optimizer, by name.
-
-All three accept ``max_grad_norm``: gradient clipping by global norm folded into the
-same per-leaf pass.
+Reutilization", PRCV 2024 (https://github.com/adonis-dym/memory_reduced_optimizer).
+In JAX the idea is write order and buffer aliasing, so that XLA inserts no copy.
+adamw_r is bit-identical to optax.adamw; lion_r and adan_r remove optax's copies.
+sgd skips a step in place; optimizer_step is a donated optimizer-only step.
+get_optimizer returns any of these, or an optax optimizer, by name.
+What each saves and why: docs/design.md, "The memory-reduced optimizers
+(optimizers/__init__.py)" and docs/optimizers.md.
 """
 
 from resireduce_jax.optimizers.adamw_r import AdamWRState, adamw_r

@@ -1,28 +1,13 @@
 """AdamW-R: AdamW with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.1).
 
-In PyTorch, AdamW-R writes the denominator ``sqrt(v̂) + ε`` into the gradient buffer,
-which is dead by then, instead of allocating a parameter-sized temporary. In a jitted
-JAX step XLA fuses such element-wise temporaries on its own; what decides whether the
-compiled step needs an extra parameter-sized buffer is **write order and aliasing**:
-with parameters and optimizer state donated, XLA writes every new moment into the
-buffer of the old one, and it must insert a full ``copy`` if any other fusion still
-reads the old value afterwards. AdamW-R therefore computes, per leaf, in one pass:
-
-1. ``m ← β1·m + (1−β1)·g`` and ``v ← β2·v + (1−β2)·g²`` (each old moment is read only by
-   the fusion that overwrites it),
-2. the update from the *new* moments only: ``u = −lr·(m̂/(√(v̂+ε_root)+ε) + λ·p)``,
-
-which is the order ``optax.adamw`` also uses, so the two are bit-identical (the tests
-check 200 steps in float32 and bfloat16). Two things are added beyond ``optax.adamw``:
-a single optimizer state (one step counter for bias correction and the schedules) and
-optional gradient clipping by global norm folded into the same per-leaf pass
-(``max_grad_norm``), bit-identical to
-``optax.chain(optax.clip_by_global_norm(c), optax.adamw(...))``.
-
-Aliasing in an optimizer-only step: ``jax.jit(step, donate_argnums=(0, 1, 2))`` with the
-argument order ``step(params, opt_state, grads)``; JAX pairs donated inputs with outputs
-of the same shape and dtype first come, first served, so this order lets every new
-moment take its old buffer (see :func:`resireduce_jax.optimizers.optimizer_step`).
+GSR: Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
+Reutilization", PRCV 2024 (https://github.com/adonis-dym/memory_reduced_optimizer).
+In JAX the saving comes from write order and aliasing, not from reusing a buffer by hand.
+Each old moment is read only by the fusion that overwrites it, so XLA copies nothing.
+This is optax.adamw's order, so the two are bit-identical; clipping is folded in.
+In an optimizer-only step pass step(params, opt_state, grads), all donated.
+The order and the aliasing: docs/design.md, "AdamW-R's write order
+(optimizers/adamw_r.py)".
 """
 
 from __future__ import annotations

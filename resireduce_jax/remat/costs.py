@@ -1,30 +1,12 @@
 """Per-stage costs of a chain, read from abstract evaluation and compiled programs.
 
-The rotor dynamic program (Beaumont et al., 2019/2024, §3 "Model") needs, for every stage
-``i`` of a chain ``x_{i+1} = F_i(p_i, x_i)``:
-
-* the size of its input activation ``x_i`` (and of the chain output ``x_L``),
-* the size ``x̄_i`` of what the stage keeps for its backward pass when run with full
-  history (``F_all``): the residuals that ``jax.vjp`` saves, without the parameters and the
-  stage input (both are held anyway) and without those XLA recomputes by fusion (cheap
-  elementwise functions of kept values, read only by elementwise backward ops), plus the
-  stage output ``x_{i+1}``,
-* the temporary memory of its forward pass, and what its backward pass needs beyond its
-  inputs, outputs and ``x̄`` (read from the stage's forward + backward program compiled as a
-  whole, so that residual buffers dying during the backward pass are reused as XLA does),
-* the time of its forward and of its backward pass, and of computing its residuals alone
-  (what a recomputation that nobody reads the output of costs).
-
-Everything here is measured without allocating the activations: shapes come from
-:func:`jax.eval_shape`, residuals from the jaxprs of ``jax.vjp`` and of its backward pass,
-temporaries from the ``memory_analysis()`` of the stage's programs compiled on their own,
-and time from ``cost_analysis()`` FLOPs. Measured time (``time="measured"``) runs the
-compiled stage programs on the device instead and needs concrete parameters and input.
-
-References:
-  Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
-  heterogeneous chains: how to train deep neural networks with limited memory",
-  arXiv:1911.13214 (ACM TOMS 2024), §3.1 (chain model, F_all / F_ck / F_n / B).
+Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep neural
+networks with limited memory", ACM TOMS 2024 (https://arxiv.org/abs/1911.13214), §3.1.
+For each stage: input size, what it keeps with full history, forward and backward
+temporaries, and the times of its forward, backward and recomputation.
+Nothing is allocated: shapes from eval_shape, residuals from jaxprs, memory from
+memory_analysis(), time from cost_analysis() FLOPs or, measured, from running the stage.
+What each cost is: docs/design.md, "Rotor's stage costs (remat/costs.py)".
 """
 
 from __future__ import annotations

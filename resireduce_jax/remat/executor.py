@@ -1,29 +1,12 @@
 """Running a chain under a checkpointing plan: nested ``jax.checkpoint``, and what it compiles to.
 
-A :class:`~resireduce_jax.remat.solver.Plan` maps one-to-one onto nested
-``jax.checkpoint``: every :class:`~resireduce_jax.remat.solver.Checkpoint` item becomes one
-``jax.checkpoint`` around its stages (its parameters and input are the checkpoint's
-arguments), and its body, run inside, holds the nested checkpoints that its recomputation
-follows. Under ``jax.grad``, stage ``i`` then runs its forward ``1 + depth(i)`` times.
-
-XLA's schedulers are free to postpone work that nothing waits for, and XLA:CPU's does: in a
-plain ``jax.grad`` it computes every weight gradient ``x_iᵀ δ_{i+1}`` at the very end of
-the backward pass, keeping every activation and every ``δ`` alive until then (measured: a
-4-layer MLP peaks at 11 MiB instead of 9 MiB, and checkpointing a stage can even *raise*
-the peak because its recomputed activation then coexists with the original). The
-executor therefore runs each stage's backward as one unit, as the rotor model assumes
-(operation ``B`` of the paper): a ``jax.custom_vjp`` around the stage whose backward is
-``jax.vjp`` of the stage followed by an optimization barrier over all its cotangents, so
-``δ_i`` is released only once the stage's parameter gradient is computed
-(``sequence_backward=True``, the default). The values are those of ``jax.vjp``; only the
-order changes.
-
-XLA:CPU also strips the optimization barriers that keep ``jax.checkpoint``'s recomputation
-apart from the forward pass, and CSE then merges the two, silently undoing the plan,
-unless ``--xla_disable_hlo_passes=cse_barrier_expander`` is in ``XLA_FLAGS``
-(:func:`resireduce_jax.runtime.configure_cpu` sets it, with ``small-while-loop-hoisting``,
-whose small-loop kernels cannot hold a barrier). :func:`compile_gradient` checks that the
-barriers survived.
+Each Checkpoint item of a plan becomes one jax.checkpoint around its stages.
+Under jax.grad, stage i then runs its forward 1 + depth(i) times.
+Each stage's backward runs as one unit (a custom_vjp with a barrier), as rotor assumes.
+Otherwise XLA:CPU postpones every weight gradient to the end and keeps activations alive.
+compile_gradient checks that the barriers survived XLA:CPU's passes.
+Why the backward is sequenced, and the barriers: docs/design.md, "Rotor's executor
+(remat/executor.py)" and "Remat barriers and cse_barrier_expander".
 """
 
 from __future__ import annotations
