@@ -42,13 +42,14 @@ an unrewritten step to float32 rounding, not bit for bit.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 from jax.extend import core as jex_core
+
+from resireduce_jax._src import jaxprs
 
 __all__ = ["Tie", "streamed", "ties"]
 
@@ -62,38 +63,8 @@ class Tie(NamedTuple):
     after: int
 
 
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
-"""Primitives whose one sub-jaxpr is called once on the equation's own inputs and gives its
-outputs (``jit``, ``jax.checkpoint``): their bodies are ordered like the outer jaxpr. Loops
-and conditionals are not (their bodies run per iteration or per branch)."""
-
-
-def _nbytes(v: Any) -> int:
-    aval = v.aval
-    shape = getattr(aval, "shape", None)
-    if shape is None:
-        return 0
-    return math.prod(int(d) for d in shape) * aval.dtype.itemsize
-
-
 def _is_var(v: Any) -> bool:
     return isinstance(v, jex_core.Var) and not isinstance(v, jex_core.DropVar)
-
-
-def _body(eqn: Any) -> tuple[str, jex_core.Jaxpr] | None:
-    """``(param name, jaxpr)`` of a call-like equation's body, or ``None``."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for key in ("jaxpr", "call_jaxpr"):
-        inner = eqn.params.get(key)
-        body = inner.jaxpr if isinstance(inner, jex_core.ClosedJaxpr) else inner
-        if (
-            isinstance(body, jex_core.Jaxpr)
-            and len(body.invars) == len(eqn.invars)
-            and len(body.outvars) == len(eqn.outvars)
-        ):
-            return key, body
-    return None
 
 
 class _Dataflow:
@@ -190,7 +161,8 @@ def _level_ties(flow: _Dataflow, gradients: dict[int, list[int]]) -> list[Tie]:
             for v in eqns[i].invars:
                 if _is_var(v) and v not in flow.held and flow.producer.get(v) not in mine:
                     frontier.add(v)
-        if sum(_nbytes(v) for v in frontier) <= sum(_nbytes(v) for v in outs):
+        held_bytes = sum(jaxprs.aval_nbytes(v.aval) for v in frontier)
+        if held_bytes <= sum(jaxprs.aval_nbytes(v.aval) for v in outs):
             continue  # computing it early would hold more than it frees
         grad = max(made, key=made.__getitem__)  # the part finished last
         tied = set()
@@ -242,7 +214,10 @@ def _rewrite(flow: _Dataflow, found: list[Tie], grad_bits: int) -> tuple[jex_cor
     count = len(found)
     bodies: dict[int, tuple[str, jex_core.Jaxpr]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        call = _body(eqn)
+        # Bodies of plain calls only (jaxprs.PLAIN_CALLS): loops and conditionals run their
+        # bodies per iteration or per branch, and a custom derivative's rules would not
+        # match a rewritten body.
+        call = jaxprs.call_body(eqn, jaxprs.PLAIN_CALLS)
         if call is None:
             continue
         key, body = call

@@ -34,7 +34,6 @@ step to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,17 +41,11 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
-from resireduce_jax._src import backward_order
+from resireduce_jax._src import backward_order, jaxprs
 
 PyTree = Any
 
 __all__ = ["after_reads", "call_with_read_partners", "last_read_partners"]
-
-
-def _size(aval: Any) -> int | None:
-    """Elements of an array value (``None`` for tokens and other non-arrays)."""
-    shape = getattr(aval, "shape", None)
-    return None if shape is None else math.prod(int(d) for d in shape)
 
 
 class _Dataflow:
@@ -128,25 +121,19 @@ def _derives_weight(eqn: Any, ins: list[tuple[int, int, int]]) -> bool:
     if len(eqn.outvars) != 1:
         return False
     return all(
-        alias or isinstance(v, jex_core.Literal) or (_size(v.aval) or 0) <= 1
+        alias or isinstance(v, jex_core.Literal) or (jaxprs.aval_size(v.aval) or 0) <= 1
         for v, (alias, _, _) in zip(eqn.invars, ins, strict=True)
     )
 
 
 def _inlined_body(eqn: Any) -> jex_core.Jaxpr | None:
     """The body of a call-like eqn (jit, remat, custom derivative calls) whose invars and
-    outvars are the eqn's own, or ``None`` for opaque eqns (control flow, collectives)."""
-    for key in ("jaxpr", "call_jaxpr"):
-        body = eqn.params.get(key)
-        if isinstance(body, jex_core.ClosedJaxpr):
-            body = body.jaxpr  # its constants read no weight
-        if (
-            isinstance(body, jex_core.Jaxpr)
-            and len(body.invars) == len(eqn.invars)
-            and len(body.outvars) == len(eqn.outvars)
-        ):
-            return body
-    return None
+    outvars are the eqn's own, or ``None`` for opaque eqns (``cond``, ``while``,
+    collectives). Any primitive with such a body counts (:func:`jaxprs.call_body` with
+    ``primitives=None``), ``scan`` included: its body is run once. A closed body's
+    constants read no weight."""
+    call = jaxprs.call_body(eqn, None)
+    return None if call is None else call[1]
 
 
 def last_read_partners(

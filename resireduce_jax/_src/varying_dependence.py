@@ -26,18 +26,13 @@ from collections.abc import Sequence
 
 from jax.extend.core import Jaxpr, Var
 
+from resireduce_jax._src import jaxprs
+
 __all__ = ["reached_outputs"]
 
-_CALLS = (
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "checkpoint",
-    "remat",
-    "custom_jvp_call",
-    "custom_vjp_call",
-)
+# ``remat2`` (``jax.checkpoint``'s primitive in JAX 0.10) is not followed here: like any
+# equation not modelled, it reaches all its outputs from any reached operand.
+_CALLS = jaxprs.CALLS - {"remat2"}
 _INVARIANT_COLLECTIVES = ("psum_invariant", "all_gather_invariant")
 # Traced with ``check_vma=False``, a reduction over every worker axis keeps its plain name.
 _UNCHECKED_INVARIANT = ("psum",)
@@ -51,15 +46,6 @@ def _axes_of(value) -> frozenset[str]:
     return frozenset(value)
 
 
-def _body(params: dict):
-    """The called jaxpr of a call-like equation (open or closed), or ``None``."""
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        body = params.get(key)
-        if body is not None:
-            return getattr(body, "jaxpr", body)
-    return None
-
-
 def _equation(eqn, reached: list[bool], worker_axes: frozenset[str], unchecked: bool) -> list[bool]:
     """Which of ``eqn``'s outputs depend on its ``reached`` operands."""
     name, params, outs = eqn.primitive.name, eqn.params, len(eqn.outvars)
@@ -70,10 +56,9 @@ def _equation(eqn, reached: list[bool], worker_axes: frozenset[str], unchecked: 
         if worker_axes <= axes:
             return [False] * outs
         return list(reached) if len(reached) == outs else [True] * outs
-    if name in _CALLS:
-        body = _body(params)
-        if body is not None and len(body.invars) == len(reached):
-            return reached_outputs(body, reached, worker_axes, unchecked=unchecked)
+    call = jaxprs.call_body(eqn, _CALLS)
+    if call is not None:
+        return reached_outputs(call[1], reached, worker_axes, unchecked=unchecked)
     if name == "scan":
         body = params["jaxpr"].jaxpr
         consts, carries = params["num_consts"], params["num_carry"]
