@@ -1,25 +1,11 @@
 """Reusable groups: which leaves share one residual (ResiReduce paper §4.1–§4.2).
 
-A *grouping* maps every parameter leaf to a group label, like the labels of
-``optax.multi_transform``: either a pytree of strings with the params' structure, or a
-callable ``params -> labels``. Leaves with the same label share a single residual in
-:func:`resireduce_jax.resireduce`; a label used by one leaf only is a singleton group (plain
-error feedback, or intra-layer compression). Only compressed leaves are grouped; the
-labels of leaves that travel dense are ignored.
-
-Leaf paths are spelled ``jax.tree_util.keystr(path, simple=True, separator="/")``, e.g.
-``h_3/attn/c_attn/kernel``. Two rule builders are provided:
-
-* :func:`auto`: adjacent leaves with the same *role* (the path with its layer indices
-  replaced by ``*``) and the same shape and dtype, in layer order, in runs of at most
-  ``max_group_size`` — the paper's "adjacent residual layers of the same type" (Fig. 4).
-* :func:`regex`: ordered ``(pattern, label template)`` rules, in the spirit of
-  big_vision's parameter rules: the first pattern that ``re.search`` finds in a path
-  gives the label ``match.expand(template)`` (the library's one convention for path
-  rules, :mod:`resireduce_jax.tree_paths`); unmatched leaves are singletons, and a
-  pattern that matches no leaf raises.
-
-:func:`report` prints what was grouped, so users can check it before training.
+A grouping maps every leaf to a label; leaves with the same label share one residual.
+Only compressed leaves are grouped; labels of leaves that travel dense are ignored.
+auto groups adjacent leaves of the same role, shape and dtype, as the paper's Fig. 4.
+regex takes ordered (pattern, label) rules; the first pattern re.search finds decides.
+report prints what was grouped, to check it before training.
+The rules in detail: docs/design.md, "Groupings (grouping.py)".
 """
 
 from __future__ import annotations

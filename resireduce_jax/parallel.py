@@ -1,26 +1,12 @@
 """Data-parallel training steps under ``jax.shard_map``: mesh, state layout and the step.
 
-The step computes each worker's **local** gradient and lets the optax chain (whose first
-transform is :func:`~resireduce_jax.compressed_mean`, :func:`~resireduce_jax.error_feedback`
-or :func:`~resireduce_jax.resireduce`) turn it into the global mean. Two layout rules make
-this work (docs/design.md, "One training step" and "Hidden dense all-reduce"):
-
-* **No hidden all-reduce.** Inside ``shard_map`` with ``check_vma=True``, ``jax.grad``
-  with respect to replicated (axis-invariant) parameters returns gradients already summed
-  over the axis: a dense all-reduce in the backward pass that would defeat compression.
-  The step therefore casts the parameters to *varying* (``lax.pcast(..., to="varying")``)
-  before differentiating.
-* **Per-worker state.** Optimizer-state leaves that differ between workers (residuals,
-  per-worker compressor state) live in global arrays with a leading worker axis sharded
-  over the data axis (``P(axis_name)``); all other state is replicated (``P()``).
-  :func:`state_partition_specs` finds out which is which by tracing one abstract update:
-  a state leaf is per-worker iff its updated value varies over the axis.
-
-On the CPU backend the step bounds how many of its calls are queued at once
-(:attr:`DataParallelStep.max_steps_in_flight`): XLA:CPU runs every simulated device's
-program on one thread pool, and with many steps queued the threads of devices already
-waiting in a later step's collective starve the devices still computing, until the
-collective's rendezvous times out (docs/design.md, "CPU collectives and queued steps").
+Each worker computes its local gradient; the optax chain's exchange turns it into the mean.
+Parameters are cast to varying before differentiating, so no dense all-reduce is hidden.
+Per-worker state leaves (residuals) have a leading worker axis sharded on the data axis.
+state_partition_specs finds them by tracing one abstract update.
+On CPU the step bounds how many of its calls are queued, so collectives do not starve.
+The layout rules: docs/design.md, "One training step", "Hidden dense all-reduce", "CPU
+collectives and queued steps" and "The data-parallel step (parallel.py)".
 """
 
 from __future__ import annotations

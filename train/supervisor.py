@@ -1,26 +1,12 @@
 """The parent process of a multi-process run: runs the training as a child, reports its fate.
 
-Why a parent at all (``docs/design.md``, "A lost peer"): when a peer of a
-``jax.distributed`` job dies, JAX's coordination service ends every other process with
-``LOG(FATAL)``, i.e. ``abort()`` from a C++ thread (exit status 134, a C++ stack trace,
-and absl's faulthandler dumps every Python thread). Nothing in the dying process can
-intercept it: the Python callback jaxlib offers for it (``missed_heartbeat_callback``)
-terminates the process with ``std::bad_cast`` in jaxlib 0.10.2, the abort of a lost
-coordinator comes within milliseconds, and a ``SIGABRT`` handler cannot return. So the
-process a user starts (``python -m train ...``) stays a thin parent that does not
-import JAX: it re-runs its own command line as a child, relays the child's output, and
-when the child dies it tells the user what happened in one message:
-
-* a lost peer (exit status :data:`EXIT_PEER_LOST`): which process was lost, after which
-  step, the last complete checkpoint and the command that resumes from it;
-* a peer that never connected within ``--initialization_timeout_s`` (same status);
-* any other crash (exit status 1), with the same resume hint.
-
-JAX's own report (the fatal log record, the C++ stack, the thread dump) goes to
-``<workdir>/crash.p<process>.log`` instead of the terminal. The child tells the parent
-that it connected and which step it finished through an inherited pipe
-(:func:`notify`); SIGTERM is forwarded to it, and on Linux the child is killed with its
-parent (``PR_SET_PDEATHSIG``), so killing the parent never leaves a child training.
+When a peer dies, JAX aborts every other process from a C++ thread, beyond Python's reach.
+So the process a user starts stays a thin parent that does not import JAX.
+It re-runs its command line as a child, relays its output and reports how it ended.
+A lost peer or one that never connected exits with EXIT_PEER_LOST, with a resume command.
+JAX's own report goes to <workdir>/crash.p<process>.log, not the terminal.
+Why, and how the child reports: docs/design.md, "A lost peer" and "The supervisor
+(train/supervisor.py)".
 """
 
 from __future__ import annotations

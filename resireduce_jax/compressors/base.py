@@ -1,26 +1,13 @@
 """The compressor interface and the collective exchanges that compressors share.
 
-A compressor is a small, stateless description of one gradient-compression method
-(GRACE's decomposition: Xu et al., "GRACE: A Compressed Communication Framework for
-Distributed Machine Learning", ICDCS 2021, §III). For one gradient leaf ``x`` of one
-worker it says
-
-* how to build the payload: ``compress(x, state, key) -> (payload, state)``;
-* how to rebuild a dense array from one payload: ``decompress(payload, like)``;
-* how payloads travel across the data-parallel axis and are averaged:
-  ``aggregate(payload, like, axis_name)`` returns ``mean_w D(payload_w)`` on every worker;
-* how many bytes one worker puts on the wire for a leaf: ``payload_bytes(shape, dtype)``.
-
-:meth:`Compressor.reduce` composes these for the transforms in
-:mod:`resireduce_jax.transforms`; error feedback (Seide et al. 2014; ResiReduce paper §2.2)
-uses its ``residual = x - D(Q(x))`` output. Compressors know nothing about residuals,
-groups or optax.
-
-Every exchange here is written so that all workers compute a **bit-identical** mean: sparse
-payloads are all-gathered and scattered into a zero buffer one worker at a time, in worker
-order, with indices that are unique within a worker (padding points past the end and is
-dropped), so the floating-point summation order is the same everywhere and independent of
-the backend's scatter implementation.
+GRACE's decomposition: Xu et al., "GRACE: A Compressed Communication Framework for
+Distributed Machine Learning", ICDCS 2021, §III (https://github.com/sands-lab/grace).
+A compressor says how to compress a leaf, decompress a payload, aggregate payloads
+over the data axis, and how many bytes a worker sends.
+Compressor.reduce composes these; compressors know nothing of residuals, groups or optax.
+Every exchange gives all workers a bit-identical mean, summed in worker order.
+The interface in detail: docs/design.md, "The compressor interface (compressors/base.py)"
+and docs/compressors.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Density schedules: how many coordinates a sparsifier sends, step by step.
 
-A sparsifier (:class:`~resireduce_jax.compressors.TopK`, ``FastTopK``, ``RandomK``,
-``Threshold``, ``DGC``) takes a float density or a :class:`DensitySchedule`: a
-piecewise-constant density over the exchange's step count. Two schedules are the
-literature's:
-
-* a **dense warm-up** (:func:`dense_warmup`): the first steps travel uncompressed, so the
-  start of training, where gradients change fastest and a residual's delay costs most,
-  sees exact means;
-* **DGC's warm-up** (:func:`dgc_warmup`; Lin et al., "Deep Gradient Compression", ICLR
-  2018, §3.4): the density falls exponentially, 25 % → 6.25 % → 1.5625 % → ... (sparsity
-  75 % → 93.75 % → 98.4375 %), one stage after another, down to the target.
-
-Top-k sizes are static in JAX, so a schedule is run as one program with one static-size
-branch per phase (``lax.switch`` on the step count, inside each leaf's exchange; see
-:mod:`resireduce_jax.exchange`): the phase changes without recompiling, and every phase
-sends exactly its own payload. A phase of density 1 travels dense: a plain all-reduce of
-the leaf (:class:`~resireduce_jax.compressors.NoCompression`), its residual zero.
-
-:func:`phases` turns a compressor with a schedule into its phases, each a compressor with a
-float density; :func:`bytes_sent` counts what one worker sends over a run.
+A sparsifier takes a float density or a DensitySchedule, piecewise constant over steps.
+dense_warmup sends the first steps uncompressed; dgc_warmup falls as DGC's warm-up does.
+DGC: Lin et al., ICLR 2018 (https://arxiv.org/abs/1712.01887), §3.4.
+A schedule runs as one program, one static-size branch per phase: no recompiling.
+A phase of density 1 travels dense, its residual zero.
+phases lists a compressor's phases; bytes_sent counts what one worker sends.
+The schedules in detail: docs/design.md, "Density schedules (compressors/schedule.py)".
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
-r"""Lion-R: Lion with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.3).
+"""Lion-R: Lion with gradient-space reutilization (Dong & Lin, PRCV 2024, §3.3).
 
-Lion (Chen et al., 2023) steps along ``sign(β1·m + (1−β1)·g)`` and then updates
-``m ← β2·m + (1−β2)·g``. Both read the *old* momentum. In a donated, jitted JAX step the
-new momentum is written into the old momentum's buffer, so the fusion computing the
-sign would read a buffer that another fusion overwrites: XLA resolves the conflict with
-a full ``copy`` of ``m`` (measured: ``optax.lion`` spends one momentum-sized temporary
-per step). Lion-R reorders the computation as the paper does (there, to reuse the
-gradient buffer for the interpolation): first the new momentum, then the interpolation
-from the new momentum only,
-
-.. math::
-    m_t = β_2 m_{t-1} + (1-β_2) g,\qquad
-    c_t = g + \frac{β_1}{β_2}\,(m_t - g) = (1-β_1) g + β_1 m_{t-1},
-
-so the old momentum has a single reader (the fusion that overwrites it) and no copy is
-needed. ``c_t`` equals Lion's interpolation in exact arithmetic; in floating point the
-two differ by rounding, which flips ``sign(c)`` only where ``c`` is within a few ulps of
-zero. The reordering divides by β2, so β2 must be > 0.
-
-Aliasing in an optimizer-only step: ``jax.jit(step, donate_argnums=(0, 1, 2))`` with the
-argument order ``step(params, opt_state, grads)`` (see
-:func:`resireduce_jax.optimizers.optimizer_step`).
+GSR: Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
+Reutilization", PRCV 2024 (https://github.com/adonis-dym/memory_reduced_optimizer).
+Lion: Chen et al., "Symbolic Discovery of Optimization Algorithms", https://arxiv.org/abs/2302.06675.
+Lion-R computes the new momentum first, then the interpolation from it alone.
+So the old momentum has one reader, and XLA need not copy it as for optax.lion.
+The result equals Lion's in exact arithmetic; the reordering needs b2 > 0.
+The reordering and its rounding: docs/design.md, "Lion-R's reordering (optimizers/lion_r.py)".
 """
 
 from __future__ import annotations
