@@ -1,42 +1,12 @@
 """Streaming the backward pass: each weight gradient before the backward pass moves on.
 
-A data-parallel step streams when every weight gradient is computed, exchanged and
-applied while the backward pass goes on, so that the buffers it reads (the cotangent
-``dy`` of its layer, the layer's input ``x``) die early. Data dependencies do not require
-it: a layer's input cotangent ``dx = dy·Wᵀ`` is the *sibling* of its weight gradient
-``dW = xᵀ·dy``, not its ancestor, so a valid schedule may run the whole chain of ``dx``
-first and every ``dW`` at the end, holding every layer's ``dy`` and ``x`` at once. XLA:CPU's
-memory scheduler (the best of a list, a depth-first and a post-order schedule) finds the
-streaming order or not depending on tie-breaks: on ResNet-50 at 160 images per worker a
-single ``where`` added to the first layer's optimizer state (:func:`skip_nonfinite`
-guarding optax's SGD) turned a 2.69 GiB step into a 5.27 GiB one that ran every weight
-gradient convolution after the last ``dx`` (docs/design.md, "Streaming the backward pass").
-
-:func:`streamed` makes the order a data dependency. A backward dataflow pass over the
-jaxpr of the gradient computation gives, for each equation, the outputs it contributes
-to. A gradient's *own* equations are those that contribute to it alone (``dW``, its
-relayouts, a bias's sum over ``dy``); the buffers they read from outside form its
-*frontier* (``dy``, ``x``). Where the frontier's bytes exceed the gradient's (computing it
-early frees more than it holds), every equation of the continuation that reads a
-backward value of the frontier (``dx``, the batch-norm cotangents) has its results passed
-through one ``optimization_barrier`` with the finished gradient: the rest of the backward
-pass then waits for ``dW``. The continuation is what contributes to two or more
-gradients and to nothing else; values that reach the loss or other outputs are the
-forward pass and are left alone. Ties are placed after both the gradient and the tied
-equation in program order, so they add no cycle.
-
-The bodies of call-like equations (``jit``, ``jax.checkpoint`` / ``nn.remat``) are
-ordered the same way, with reach counted in the outermost outputs: a rematerialized
-layer's backward is one equation outside, giving ``dW`` and ``dx`` together, and XLA
-inlines it and is as free to run its ``dW`` late (a conv stack at 128 images with every
-layer under ``jax.checkpoint``: 339.5 MiB with the body left alone, 291.5 ordered, the
-peak of the same stack without checkpoints). In a body that computes only backward
-outputs (a rematerialized segment), the recomputed forward values are told from the
-backward ones by their dependence on the call's backward operands. Loop and conditional
-bodies are left alone: they run per iteration or per branch.
-
-The barriers are identities; XLA fuses differently around them, so results agree with
-an unrewritten step to float32 rounding, not bit for bit.
+A layer's weight gradient ``dW`` and input cotangent ``dx`` are siblings, not ancestors.
+So XLA may run every ``dW`` after the last ``dx``, holding every layer's ``dy`` and ``x``.
+:func:`streamed` makes the streaming order a data dependency of the traced jaxpr.
+Where a gradient frees more than it holds, the equations that go on from its inputs
+wait for it through one ``optimization_barrier``. :func:`ties` lists those orderings.
+Call bodies (``jit``, ``jax.checkpoint``) are ordered the same way; loop bodies are not.
+How, and the peaks measured: docs/design.md, "Streaming the backward pass".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""Leaf-sized maps written over their operand's buffer: block by block, and ``|x|`` with
-its signs kept as bits; and sums of maps of a leaf without a mapped copy of it.
+"""Leaf-sized maps written over their operand's buffer, and sums of maps without a mapped copy.
 
-Why this exists (docs/design.md, "Residuals at the compiled peak"). XLA gives the result of
-an elementwise op on a temporary (a gradient, a compensated gradient ``G~``) a buffer of its
-own: the operand's buffer is only reused after the op, never by it (measured on XLA:CPU,
-where only donated arguments are updated by elementwise ops in place). For a 196 MiB
-embedding that is a second 196 MiB at the moment of the op, and the exchange of one large
-layer makes several such maps: adding a compressed residual back, ``|G~|`` for Top-k,
-``|r|`` for the row and column norms of ResiReduce-2d (§4.3). A loop-carried
-``dynamic_update_slice``, however, is updated in place, so :func:`map_blocks` applies a map
-one row block at a time inside a ``fori_loop``: the leaf's buffer is carried through the
-loop and only one block is in flight.
-
-Top-k ranks by magnitude, and so do the row and column norms; the signed values are needed
-again afterwards (the payload, the residual). :func:`magnitudes` writes ``|x|`` over ``x``
-and keeps the signs as packed bits (``n / 32`` words); :func:`with_signs` and
-:func:`signed_at` give the signed values back, bit for bit (``-0.0`` and NaN payloads
-included: ``abs`` and ``neg`` only touch the sign bit).
-
-Reductions have the converse problem: XLA:CPU does not fuse an element-wise producer into
-a reduction, so ``sum(|x|)`` materializes ``|x|``. :func:`sums` reads the leaf in chunks
-in a loop and takes every map of a chunk at once (ResiReduce-w's weights, the clipping
-norm).
+XLA gives an elementwise op on a temporary a second buffer beside its operand.
+:func:`map_blocks` applies a map one row block at a time, in the leaf's own buffer.
+:func:`magnitudes` writes ``|x|`` over ``x`` and keeps the signs as packed bits.
+:func:`with_signs` and :func:`signed_at` give the signed values back, bit for bit.
+:func:`sums` takes several sums of maps of a leaf in one chunked pass on XLA:CPU.
+Why, and what each map saves: docs/design.md, "Residuals at the compiled peak".
 """
 
 from __future__ import annotations

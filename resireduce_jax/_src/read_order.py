@@ -1,35 +1,12 @@
 """Ordering each in-place weight update after the last read of the old weight.
 
-A donated step writes the new weights into the old weights' buffers. XLA does that in
-place only when data dependencies prove that every read of the old weight happens
-before the write: the forward pass, a rematerialized forward, and the backward pass's
-input cotangent ``dx = dy·Wᵀ``. The update of a weight depends on the weight's own
-gradient ``dW = xᵀ·dy``, but ``dx`` is that gradient's sibling, not its ancestor, so
-XLA cannot prove the order and copies the weight at the start of the step
-(docs/design.md, "Residuals at the compiled peak").
-
-Ordering every update after the last gradient proves it, but then every gradient of the
-step is alive at once where the unguarded step streams them through the exchange (on a
-gradient-dominated MLP, +23 % of the peak). This module orders each weight after *one*
-gradient instead. A forward dataflow pass over the jaxpr of the gradient computation
-(:func:`last_read_partners`) records every read of every weight and which reads each
-gradient depends on, and pairs each weight with its own gradient when that depends on
-all its reads (a bias, read by the forward pass only), or else with the earliest
-gradient in program order that does (in a chain of layers, one of the layer below's).
-The step then passes the weight and its partner's *update* through one
-``optimization_barrier`` before adding the weight's own update (:func:`after_reads`):
-the partner's update is, like the weight, the same on every worker, which a raw
-gradient is not. The weight is updated in place, and each update waits at most for the
-exchange of one more gradient.
-
-The pass is conservative where XLA may fuse: a value computed from weights alone (a
-relayout, a cast, ``W·c``) stands for those weights, so the reads of its consumers count
-as reads of them. Calls (``jit``, ``remat``, custom derivatives) are followed into their
-bodies; other primitives with sub-computations (``cond``, ``while``, ``scan``) are
-opaque: their outputs depend on every read they make. A weight for which no gradient
-qualifies gets no barrier, and XLA copies it as without this module. The barriers are
-identities, but XLA fuses differently around them, so results agree with an unordered
-step to float32 rounding, not bit for bit.
+A donated step writes the new weights into the old weights' buffers. XLA writes in place
+only when data dependencies prove that every read of the old weight comes first.
+:func:`last_read_partners` pairs each weight with one gradient that depends on all its reads.
+:func:`after_reads` passes the weight and its partner's update through one barrier.
+:func:`call_with_read_partners` traces the gradient computation once, pairs and evaluates it.
+Why one gradient and not the last: docs/design.md, "Residuals at the compiled peak"
+("Each weight after its last read"); the peaks: benchmarks/results/guard_cost.md.
 """
 
 from __future__ import annotations

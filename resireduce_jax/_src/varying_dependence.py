@@ -1,23 +1,11 @@
-"""Which outputs of a jaxpr could change their varying-axis type if some inputs did.
+"""Which outputs of a jaxpr depend on given inputs as a worker's value.
 
-Inside ``shard_map`` every value carries the set of mesh axes it varies over (JAX's
-``check_vma`` types), and each equation computes its outputs' types from its operands'
-types alone. So an output whose value does not depend on an input keeps its type whatever
-that input's type is. :func:`reached_outputs` finds the outputs that do depend on a set of
-inputs, as a worker's value (a collective that reduces over every worker axis gives every
-worker the same value, so the dependence stops there).
-
-:func:`resireduce_jax.parallel.state_partition_specs` uses it to stop its fixed-point
-search after one trace: when no output outside the per-worker set depends on the state
-leaves just found to be per-worker, tracing again with those leaves varying could not
-change the set.
-
-The analysis may only err towards "reached": an equation it does not model reaches all of
-its outputs from any reached operand. It models the equations an optax transform's update
-is made of: calls (``jit``, ``checkpoint``, custom derivatives) by their bodies,
-``optimization_barrier`` operand by operand, ``scan`` to a fixed point over its carry,
-``cond`` by its branches, and the invariant collectives (``psum_invariant``,
-``all_gather_invariant``) over every worker axis as ending the dependence.
+Inside ``shard_map`` an output that does not depend on an input keeps its varying-axis
+type, whatever that input's type is. :func:`reached_outputs` finds the outputs that do.
+A collective over every worker axis gives every worker one value and ends the dependence.
+The analysis errs only towards "reached". :func:`resireduce_jax.parallel.state_partition_specs`
+uses it to stop its fixed-point search after one trace. What it models and why it is
+sound: docs/design.md, "One training step" and "Per-worker leaves through a ``lax.cond``".
 """
 
 from __future__ import annotations
