@@ -1,21 +1,11 @@
 """The training program's train step, compiled from abstract shapes: its per-worker peak.
 
-:func:`compile_step` builds what :mod:`train.train` runs (the optax chain of
-:func:`train.factory.build_tx`, wrapped in :func:`resireduce_jax.skip_nonfinite` when
-guarded, inside the donated :func:`resireduce_jax.parallel.data_parallel_step`) and
-compiles it for ``jax.ShapeDtypeStruct`` parameters, optimizer state, model state and
-batch with the shardings of a run: nothing is allocated or run. :func:`memory_report`
-compiles the configured residual variant beside plain error feedback and dense exchange
-and returns the per-worker peaks (``argument + output - alias + temp``,
-:func:`resireduce_jax.hlo.peak_memory`) with a short text table.
-
-With ``config.local_devices`` (the hierarchical exchange) the mesh is nodes × devices per
-node (:func:`build_mesh`), the exchange is sharded over a node's devices and every figure
-is per device (:func:`state_bytes`).
-
-Variants use the config vocabulary (``train.config_schema.VARIANTS``: ``dense``, ``none``,
-``ef``, ``a``, ``w``, ``2d``, ``w+2d``, ...) plus a ``+bf16`` suffix for residuals stored
-in bfloat16 (``compression.residual_dtype="bfloat16"``), e.g. ``w+2d+bf16``.
+compile_step builds what train.train runs and compiles it from shapes: nothing is run.
+memory_report compiles the variant beside plain error feedback and dense exchange.
+It returns the per-worker peaks (argument + output - alias + temp) and a text table.
+With config.local_devices the mesh is nodes x devices and every figure is per device.
+Variants use the config's names, plus a +bf16 suffix for bfloat16 residuals.
+Details: docs/design.md, "The compiled step (train/compiled_step.py)".
 """
 
 from __future__ import annotations

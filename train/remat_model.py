@@ -1,20 +1,12 @@
 """``remat.budget``: train a sequential zoo model under an activation-memory budget.
 
-With ``config.remat.budget`` set, the model runs as the chain of stages it gives
-(:meth:`resireduce_jax.models.ModelConfig.chain_stages` via
-:func:`resireduce_jax.remat.zoo.model_chain`: stem or embedding, the repeated blocks, head)
-and :class:`resireduce_jax.remat.RotorSequential` picks the fastest rotor
-checkpointing plan whose compiled gradient peak fits the budget (Beaumont et al., "Optimal
-checkpointing for heterogeneous chains", §3–4; see ``docs/remat.md``). The plan is chosen
-once, before training, on one worker's batch shape and abstract parameters; the train step
-then runs the model's gradient as that plan's nested ``jax.checkpoint``.
-
-The budget is one worker's compiled peak of ``value_and_grad`` of the model w.r.t. its
-parameters (parameters, gradients, activations and temporaries; not the optimizer state or
-the exchange). The variables are the monolithic model's: ``init`` is the model's own (same
-names, same values for the same key), so grouping rules, ``intra_layers`` and checkpoints
-carry over, and without dropout the chain trains exactly as the model does. With dropout
-the masks differ: the chain draws layer ``i``'s from ``jax.random.split(key, layers)[i]``.
+With remat.budget set, the model runs as its chain of stages under a rotor plan.
+Rotor: Beaumont et al., ACM TOMS 2024 (https://arxiv.org/abs/1911.13214); docs/remat.md.
+The plan is chosen once, before training, on one worker's shapes.
+The budget is one worker's compiled peak of value_and_grad of the model.
+Variables are the monolithic model's, so grouping rules and checkpoints carry over.
+With dropout the masks differ from the model's.
+Details: docs/design.md, "Training under a remat budget (train/remat_model.py)".
 """
 
 from __future__ import annotations

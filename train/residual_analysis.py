@@ -1,22 +1,12 @@
 """Residual value distributions of chosen layers (the ResiReduce paper's Fig. 4).
 
-With ``residual_analysis.layers`` set to a regex, the run records, at the configured steps,
-a histogram of worker 0's residual values (in a hierarchical run: node 0's, from its
-devices' shards) for every matching leaf and plots their
-probability densities on one figure per snapshot. Adjacent layers of the same type whose
-curves overlap are good candidates for a shared residual (§4.1).
-
-Per-leaf residuals exist only where every layer keeps its own (variant ``ef``, or layers
-left as singletons); run the analysis with ``compression.variant=ef`` to see all layers,
-as the paper did before grouping. Outputs: ``<workdir>/residual_pdfs.npz`` (bin edges and
-densities per snapshot and leaf) and ``<workdir>/residual_pdfs_step<k>.png``.
-
-Overlapping distributions do not make a shared residual lossless: the members' values must
-agree coordinate by coordinate. For each group the run's grouping rules would form among the
-chosen leaves, :func:`sharing_report` measures that: the members' pairwise cosine
-similarity, and how much of each member's residual the shared store would lose, the
-relative error of ResiReduce-w's weighted mean (§4.2) against the member. Written to
-``<workdir>/residual_sharing.json`` per snapshot and printed at the end of the run.
+With residual_analysis.layers set to a regex, the run records residual histograms.
+It plots worker 0's residual densities per matching leaf, one figure per snapshot.
+Run it with compression.variant=ef to see every layer, as the paper did.
+sharing_report measures how well each group's members could share one residual.
+Outputs: residual_pdfs.npz, residual_pdfs_step<k>.png and residual_sharing.json.
+The outputs and the sharing measures: docs/design.md, "Residual analysis
+(train/residual_analysis.py)".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Sparsifying compressors: each worker sends ``k`` values and their int32 flat indices.
 
-Payload layout (all methods here): ``values`` (``k`` elements of the leaf's dtype) and
-``indices`` (``k`` int32 flat indices into ``x.ravel()``), so a worker sends
-``k * (itemsize + 4)`` bytes. Payloads are all-gathered and scatter-added
-(:func:`~resireduce_jax.compressors.base.sparse_mean`); no dense all-reduce of the leaf
-remains. Random-k with indices shared by all workers is the exception: its values are
-summed with a ``k``-element all-reduce.
-
-The payload size is fixed at trace time. Methods whose selection size varies (threshold,
-DGC, fast Top-k) send a fixed-size payload: unused slots carry index ``n`` (one past the
-end) and value ``0``; ``sparse_mean``, ``decompress`` and ``residual`` drop them.
-
-Methods: exact Top-k (:class:`TopK`), Random-k (:class:`RandomK`), a fast two-level
-approximate Top-k for large leaves (:class:`FastTopK`), a fixed threshold
-(:class:`Threshold`) and Deep Gradient Compression's sampled-threshold selection
-(:class:`DGC`).
+A worker sends k * (itemsize + 4) bytes; payloads are all-gathered and scatter-added.
+Random-k with shared indices instead all-reduces its k values.
+Payload sizes are fixed at trace time: unused slots carry index n and value 0.
+Methods: TopK, RandomK, FastTopK, Threshold and DGC's sampled threshold.
+GRACE: https://github.com/sands-lab/grace; DGC: https://arxiv.org/abs/1712.01887.
+The payload layout: docs/design.md, "Sparse payloads (compressors/sparse.py)".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """A multilayer perceptron classifier with equal-width hidden layers (the CPU digits job).
 
-Built for scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes), so that a
-ResiReduce run fits on a laptop CPU yet exercises everything the paper's models do: the
-default 64 -> 256 -> 256 -> 256 -> 256 -> 10 has three adjacent same-shape hidden kernels
-(256 x 256, a reusable group in the sense of ResiReduce §4.1) and kernels of at least
-10,000 elements (so they are compressed under the reference size rule), plus a unique
-first and last layer.
-
-Parameter names: ``hidden_{i}`` (``i = 0 .. num_layers - 1``) and ``head``; kernels are
-Flax's ``[in, out]`` (the transpose of torch's ``Linear.weight``).
-
-Calling it (no dropout, no mutable state; any input shape, flattened per sample)::
-
-    model = MLPClassifier(MLPConfig())
-    variables = model.init(key, images)          # images: float [batch, 8, 8, 1] or [batch, 64]
-    logits = model.apply(variables, images)      # float32 [batch, 10]
+Built for scikit-learn's 8x8 digits, so that a ResiReduce run fits on a laptop CPU.
+Its three adjacent same-shape hidden kernels form a reusable group (ResiReduce §4.1).
+Parameter names: hidden_{i} and head; kernels are Flax's [in, out].
+Any input shape is flattened per sample.
+Layout and a calling example: docs/design.md, "MLP (models/mlp.py)".
 """
 
 from __future__ import annotations

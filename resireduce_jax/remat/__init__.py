@@ -1,24 +1,13 @@
 """Optimal activation checkpointing for heterogeneous chains (rotor) in JAX.
 
-Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for heterogeneous
-chains: how to train deep neural networks with limited memory" (arXiv:1911.13214, ACM TOMS
-2024).
-
-* :func:`measure_chain`: per-stage sizes, temporaries and times from abstract evaluation
-  and compiled programs (:class:`ChainCosts`).
-* :class:`RotorTable` / :func:`solve`: the persistent dynamic program; plans are trees of
-  :class:`RunStage` / :class:`Checkpoint` items (:class:`Plan`).
-* :func:`apply_plan`: the chain as nested ``jax.checkpoint`` following a plan.
-* :class:`ChainPlanner` / :func:`checkpoint_chain`: the fastest plan whose *compiled*
-  gradient peak fits a budget (bytes, or a fraction of the no-remat peak).
-* :class:`RotorSequential`: the same for a sequence of Flax linen layers;
-  :func:`zoo.model_chain` runs the chain-able models of the zoo (ResNet / GPT-2 / ViT, whose
-  stages the models give) as such layers, with the models' own parameter names.
-* :mod:`baselines`: no remat, every stage, √L segments, recursive halving.
-
-On CPU, ``XLA_FLAGS`` must contain ``--xla_disable_hlo_passes=cse_barrier_expander`` (see
-:func:`resireduce_jax.runtime.configure_cpu`); otherwise XLA merges the recomputation back
-into the forward pass. The planner checks that the barriers survived.
+Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep neural
+networks with limited memory", ACM TOMS 2024 (https://arxiv.org/abs/1911.13214).
+measure_chain gives stage costs; solve runs the dynamic program; apply_plan executes a plan.
+ChainPlanner and checkpoint_chain pick the fastest plan whose compiled peak fits a budget.
+RotorSequential does the same for Flax linen layers; zoo.model_chain for the zoo models.
+On CPU, configure_cpu keeps the barriers that remat needs.
+The pieces in detail: docs/remat.md and docs/design.md, "The remat package
+(remat/__init__.py)".
 """
 
 from resireduce_jax.remat import baselines, zoo

@@ -1,24 +1,12 @@
 """A sequence of Flax linen layers run as a rotor-checkpointed chain.
 
-:class:`RotorSequential` turns ``layers[i].apply`` into the pure stages of a chain, so that
-the planner (:class:`resireduce_jax.remat.ChainPlanner`) can measure them and the executor
-(:func:`resireduce_jax.remat.apply_plan`) can wrap segments in nested ``jax.checkpoint``.
-It mirrors a linen module's ``init`` / ``apply``::
-
-    model = RotorSequential([Stem(), Block(), Block(), Head()])
-    variables = model.init(jax.random.key(0), images, train=False)
-    model, choice = model.with_budget(variables, images, "60%", train=True,
-                                      mutable=["batch_stats"], loss=my_loss)
-    print(choice.summary())                    # compiled peak, FLOPs overhead, plan
-    logits, updates = model.apply(variables, images, train=True,
-                                  mutable=["batch_stats"], rngs={"dropout": key})
-
-Variables are laid out as ``{collection: {"layers_<i>": layer_variables}}``. The
-``params`` collection is what the gradient is taken with respect to; other collections
-(``batch_stats``) and per-layer PRNG keys (``jax.random.split(key, len(layers))[i]`` for
-every named stream) are closed over by the stages, so recomputation sees the same statistics and the
-same dropout masks. Updated mutable collections travel with the activation through the
-chain and come out of ``apply`` as linen's would.
+RotorSequential turns each layer's apply into a pure stage of a chain.
+The planner can then measure the stages and the executor wrap them in jax.checkpoint.
+It mirrors a linen module's init and apply; with_budget picks the plan.
+Variables are {collection: {"layers_<i>": ...}}; the gradient is taken for params.
+Other collections and per-layer PRNG keys are closed over, so recomputation matches.
+A calling example and the variable layout: docs/design.md, "RotorSequential
+(remat/flax.py)" and docs/remat.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Models of :mod:`resireduce_jax.models` as chains for :class:`RotorSequential`.
 
-A rotor plan checkpoints a *chain*. The models that are chains (ResNet, GPT-2, ViT) give
-their stages themselves (:meth:`resireduce_jax.models.ModelConfig.chain_stages`: stem or
-embedding, the repeated blocks, head, built from the same code as the monolithic module);
-this module only runs them as a :class:`RotorSequential` and maps variables between the
-two layouts::
-
-    chain = model_chain("resnet50_cifar")           # stem, 16 bottlenecks, head
-    rotor = RotorSequential(chain.layers)
-    variables = get_model("resnet50_cifar").init(key, images)      # the model's names
-    logits = rotor.apply(chain.chain_variables(variables), images)  # == model.apply
-
-:class:`RotorSequential` names a chain's variables ``layers_<i>/...``;
-:meth:`ModelChain.chain_variables` and :meth:`ModelChain.model_variables` translate
-between that layout and the model's own (``conv1``, ``layer1_0/...``, ``fc``), so a model
-trained through its chain has the monolithic model's parameters. Tied weights (GPT-2's
-``wte``, both embedding and output projection) are given to every stage that uses them;
-inside a differentiated function the gradients of both uses add up, as in the model.
+The chain models (ResNet, GPT-2, ViT) give their own stages: stem, blocks, head.
+This module runs them as a RotorSequential and maps variables between the two layouts.
+chain_variables and model_variables translate names, so training keeps the model's names.
+Tied weights (GPT-2's wte) go to every stage that uses them; their gradients add up.
+A calling example: docs/design.md, "Zoo chains (remat/zoo.py)".
 """
 
 from __future__ import annotations

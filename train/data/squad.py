@@ -1,24 +1,11 @@
 """SQuAD v1.1 extractive question answering: BERT WordPiece features and F1 / exact match.
 
-Feature creation follows BERT's ``run_squad.py`` (Devlin et al. 2019, §4.2):
-
-* the question is WordPiece-tokenized and cut to ``max_query_length`` (64) tokens;
-* the context is covered by windows of at most ``context_length - len(question) - 3``
-  tokens whose starts are ``doc_stride`` (128) tokens apart; each window is one feature
-  ``[CLS] question [SEP] context window [SEP]`` padded to ``context_length`` (384), with
-  ``token_type_ids`` 0 on ``[CLS] question [SEP]`` and 1 on the window and its ``[SEP]``;
-* training labels are the token positions of the first gold answer's first and last
-  token; a feature whose window does not contain the whole answer is labeled with the
-  ``[CLS]`` position 0. Training examples whose answer text is not found at its
-  character offset in the context are dropped (counted in ``num_skipped_train_examples``).
-
-Tokens keep their character offsets into the original context (the tokenizer is
-HuggingFace ``tokenizers``' BERT WordPiece with BERT's basic tokenization: text cleanup,
-CJK splitting, optional lower-casing and accent stripping, punctuation splitting, then
-greedy longest-match-first WordPiece with ``##`` continuations). A predicted token span
-maps back to the context text it covers, which is scored against every gold answer with
-the official SQuAD v1.1 normalization (lower-case, strip punctuation and the articles
-a/an/the, collapse whitespace), taking the best F1 and exact match over the gold answers.
+Devlin et al., BERT (https://arxiv.org/abs/1810.04805), §4.2; features as run_squad.py.
+Each context window becomes one feature: [CLS] question [SEP] window [SEP], padded.
+Labels are the gold answer's first and last token; a window without it points at [CLS].
+Tokens keep their character offsets, so a predicted span maps back to context text.
+Scoring uses the official SQuAD v1.1 normalization, best F1 and exact match over answers.
+The windows, labels and scoring: docs/design.md, "SQuAD features (train/data/squad.py)".
 """
 
 from __future__ import annotations
