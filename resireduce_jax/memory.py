@@ -1,19 +1,11 @@
 """Where the bytes of a training run go: model-state accounting from abstract shapes.
 
-The ResiReduce paper (§3, Observation #1; §5.2 "normalized model-state memory") counts
-the **model states** of one worker: parameters, gradients, optimizer state and
-error-feedback residuals. :func:`model_state_bytes` computes these from shapes alone
-(``jax.eval_shape`` of the transform's ``init``): nothing full-size is allocated, so it
-answers for a 7-billion-parameter model on a laptop. Residual bytes are per worker, as
-each worker stores its own.
-
-Category rules: the ``residuals`` of this library's exchange states are *residuals*,
-their ``compressor_state`` is *compressor* state (e.g. PowerSGD's ``Q``), every other
-state leaf (moments, counters) is *optimizer* state. *Gradients* count one
-parameter-sized buffer, as the paper does.
-
-What a compiled step really uses at its peak (activations and temporaries included) is
-read with :func:`resireduce_jax.hlo.peak_memory` from the jitted step.
+The ResiReduce paper (§3, §5.2) counts one worker's model states.
+They are parameters, gradients, optimizer state and error-feedback residuals.
+model_state_bytes computes them from shapes alone, so nothing full-size is allocated.
+Compressor state (PowerSGD's Q) has a category of its own; gradients count one buffer.
+The compiled step's real peak is read with hlo.peak_memory.
+The category rules: docs/design.md, "Model-state accounting (memory.py)".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """What the config files in ``configs/`` share: the reference's layer groups, sibling configs.
 
-* :func:`consecutive_layer_rules`: the ResiReduce reference groups each weight role of a
-  run of consecutive transformer layers into one residual (§4.1; ``resireducegpt2.py``,
-  ``resireducebert.py``); the GPT-2 and BERT configs build their ``compression.rules``
-  with it.
-* :func:`sibling_config`: a config module next to the calling one, so that a large
-  config can start from the medium / base one and override (flax-examples style). It
-  loads by path, so it works however the calling config was loaded (``python -m train
-  --config configs/x.py`` through ``ml_collections.config_flags``, or
-  ``importlib.util.spec_from_file_location``) and from any working directory.
-* :func:`paper_run`: the setting every paper config trains (§5.2, Table 1):
-  ResiReduce-w+2d with top-k at 1 %, the reference's groups as regex rules, a log line
-  every 100 steps; :func:`adamw_cosine`: the transformer configs' optimizer and schedule;
-  :func:`cifar100_config`: the CIFAR-100 configs whole (the reference's Horovod recipe).
+consecutive_layer_rules groups each weight role of consecutive layers, as the reference.
+sibling_config loads a config next to the calling one, by path, from any directory.
+paper_run is the paper's setting (§5.2): w+2d, top-k 1 %, the reference's groups.
+adamw_cosine and cifar100_config are the transformer and CIFAR-100 recipes.
+Details: docs/design.md, "Config helpers (train/config_lib.py)".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Losses and evaluation per task, connecting a dataset's batches to a zoo model.
 
-A :class:`Task` (one small class per kind, :data:`TASKS`) knows how to turn one worker's
-batch into the model's inputs and targets, the training loss (with BatchNorm statistics
-and dropout where the model has them), and the per-batch evaluation sums that are added
-over workers and batches:
-
-* ``classification``: softmax cross-entropy; eval: correct predictions and loss.
-* ``causal_lm``: next-token cross-entropy; eval: summed negative log-likelihood and the
-  number of predicted tokens, giving perplexity ``exp(nll / tokens)``.
-* ``span_qa``: mean of start and end cross-entropies (BERT's SQuAD loss); eval returns
-  the logits, scored on the host with SQuAD's exact match and F1.
+A Task turns one worker's batch into inputs, targets, the loss and evaluation sums.
+classification: cross-entropy and accuracy; causal_lm: next-token loss and perplexity.
+span_qa: BERT's SQuAD loss; evaluation scores exact match and F1 on the host.
+Details: docs/design.md, "Tasks (train/tasks.py)".
 """
 
 from __future__ import annotations

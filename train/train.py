@@ -1,18 +1,11 @@
 """The training loop: data-parallel steps with compressed gradients, eval, checkpoints.
 
-``train_and_evaluate(config, workdir)`` runs one experiment end to end (flax-examples
-style): validate the config, build dataset, model and optax chain, print where the
-memory goes, then train with :func:`resireduce_jax.parallel.data_parallel_step`,
-evaluating every ``eval_every`` steps and checkpointing every ``checkpoint_every`` steps
-and on SIGTERM. Re-running with the same ``workdir`` resumes from the newest complete
-checkpoint and continues bit-identically: the global batch and the PRNG key of step ``t``
-are pure functions of ``(seed, t)``.
-
-With ``config.local_devices`` the run is hierarchical: the mesh is nodes ×
-devices per node (axes ``("data", "local")``), gradients are reduced densely inside a node
-and compressed across nodes, and each residual is sharded over the node's devices. The
-batch, the per-worker state, the non-finite decision and evaluation span both axes;
-:func:`worker_axes` names them.
+train_and_evaluate(config, workdir) runs one experiment end to end, flax-examples style.
+It builds data, model and chain, prints where the memory goes, then trains and evaluates.
+It checkpoints every checkpoint_every steps and on SIGTERM.
+The same workdir again resumes bit-identically: step t's batch and key depend on (seed, t).
+With config.local_devices the run is hierarchical: nodes x devices per node.
+Details: docs/design.md, "The training loop (train/train.py)" and docs/training.md.
 """
 
 from __future__ import annotations

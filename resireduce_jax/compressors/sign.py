@@ -1,17 +1,10 @@
-"""One-bit compressors: signSGD with majority vote, scaled sign (EF-signSGD), Signum and
-1-bit SGD.
+"""One-bit compressors: signSGD with majority vote, scaled sign (EF-signSGD), Signum and 1-bit SGD.
 
-All four send one sign bit per entry, packed eight per byte (``jnp.packbits``, most
-significant bit first, the last byte zero-padded): ``ceil(n / 8)`` bytes, plus a few
-float32 scalars for the scaled variants. Bit ``1`` means ``x >= 0`` (zero counts as
-positive), bit ``0`` means ``x < 0``.
-
-Exchanges: the packed bits (and scalars) are all-gathered; signSGD and Signum then take
-the **majority vote** ``sign(sum_w s_w)`` (an integer sum, so exact and identical on all
-workers; a tie gives 0), while EF-signSGD and 1-bit SGD average the decoded payloads in
-worker order (:func:`~resireduce_jax.compressors.base.gathered_mean`). None of them leaves
-a dense all-reduce of the leaf. All are biased; the scaled ones are designed for error
-feedback (Karimireddy et al., ICML 2019).
+All send one sign bit per entry, packed eight per byte, plus a few scalars when scaled.
+Bits are all-gathered: signSGD and Signum take a majority vote, exact on every worker.
+EF-signSGD and 1-bit SGD average the decoded payloads in worker order.
+All are biased; the scaled ones are made for error feedback (Karimireddy et al., ICML 2019).
+The bit layout and the exchanges: docs/design.md, "Sign payloads (compressors/sign.py)".
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What every model configuration shares: dtypes, validation, example inputs, how to apply it.
 
-Each architecture has a frozen, keyword-only dataclass derived from :class:`ModelConfig`
-(the image classifiers through :class:`ImageClassifierConfig`).
-A configuration knows how to build its Flax module (:meth:`ModelConfig.build`), which
-arrays ``model.apply`` takes and which arrays are the targets (:attr:`input_names`,
-:attr:`target_names`, :meth:`ModelConfig.example_batch`), which variable collections are
-mutable in training (:attr:`mutable_collections`) and which PRNG streams training needs
-(:attr:`rng_names`). Invalid values raise a ``ValueError`` when the configuration is made,
-so a typo in an override fails before anything is traced.
-
-Models that are a chain (stem, repeated blocks, head: ResNet, GPT-2, ViT) also give that
-chain (:meth:`ModelConfig.chain_stages`): one :class:`ChainStage` per stage, each a linen
-module whose parameters carry the monolithic model's names, and where in the model's
-variables they sit. The monolithic model is built from the same code, so the chain computes
-what the model computes; :mod:`resireduce_jax.remat.zoo` runs it with rematerialization.
+Each architecture has a frozen, keyword-only dataclass derived from ModelConfig.
+A configuration builds its Flax module and names its inputs, targets and mutable collections.
+Invalid values raise a ValueError when the configuration is made, before any tracing.
+Chain models (ResNet, GPT-2, ViT) also give their stages, with the model's own names.
+The configuration's parts in detail: docs/design.md, "Model configurations
+(models/config.py)".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Models scanned over their layers: ``nn.scan`` of one layer, and its parameters.
 
-A transformer's blocks can be written out (``h_0`` ... ``h_23``, one set of weights each)
-or scanned: ``nn.scan`` applies one block ``num_layers`` times and keeps each of its
-weights as one leaf with a leading layer axis (``h/attn/c_attn/kernel``: ``[24, in, out]``).
-The scanned program compiles in a time independent of depth. The zoo's transformers take
-``scan_layers=True`` (:attr:`ModelConfig.scan_layers`); their ``layer_stacks`` is what the
-exchange transforms need to see every slice as a layer
-(:mod:`resireduce_jax.layer_stacks`): slice ``i`` of ``h/attn/c_attn/kernel`` is
-``h/i/attn/c_attn/kernel``.
-
-:func:`stack_layers` and :func:`unstack_layers` map parameters (or any tree with the
-params' structure) between the two forms: the scanned model with stacked unrolled
-parameters computes what the unrolled model computes.
+nn.scan applies one block num_layers times; each weight is one leaf with a layer axis.
+The scanned program compiles in a time independent of depth.
+The zoo's transformers take scan_layers=True; their layer_stacks makes each slice a layer.
+stack_layers and unstack_layers map parameters between the two forms.
+Details: docs/design.md, "Scanned models (models/scan.py)" and "Layer stacks".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A jitted, donated optimizer-only step whose argument order lets XLA reuse every buffer.
 
-``jax.jit(..., donate_argnums=...)`` pairs each output with the first still-unpaired
-donated input of the same shape and dtype, in argument order (pytree leaves flattened).
-Which input buffer an output reuses therefore depends on the order of the arguments,
-and a poor pairing makes XLA copy a state buffer:
-
-* :func:`~resireduce_jax.optimizers.adamw_r`, :func:`~resireduce_jax.optimizers.lion_r`
-  (and ``optax.adamw``): ``(params, opt_state, grads)``; every new moment takes its old
-  buffer, the gradient buffer is left over.
-* :func:`~resireduce_jax.optimizers.adan_r`: ``(params, grads, opt_state)``; the
-  gradient buffer becomes the new ``prev_grad`` and the other state buffers shift by
-  one (see :mod:`resireduce_jax.optimizers.adan_r`).
-
-:func:`optimizer_step` builds the step with the right order for you.
+jax.jit pairs each output with the first unpaired donated input of its shape and dtype.
+So the argument order decides which buffer each output reuses, and a bad one copies.
+adamw_r and lion_r take (params, opt_state, grads); adan_r takes (params, grads, opt_state).
+optimizer_step builds the step with the right order.
+Details: docs/design.md, "The optimizer step's argument order (optimizers/step.py)".
 """
 
 from __future__ import annotations

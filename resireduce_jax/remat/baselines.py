@@ -1,18 +1,11 @@
 """Baseline checkpointing schedules, as :class:`~resireduce_jax.remat.solver.Plan` trees.
 
-Expressed as plans, the baselines run through the same executor as rotor's plans and are
-measured the same way, so a comparison isolates the choice of schedule:
-
-* :func:`no_remat`: plain ``jax.grad``, every stage keeps its full history.
-* :func:`every_stage`: ``jax.checkpoint`` around each stage (what wrapping every layer in
-  ``nn.remat`` does): only stage inputs are kept; every forward runs twice.
-* :func:`sequential_segments`: ``k`` segments, all but the last checkpointed, the
-  recomputation keeping full history; ``k = round(√L)`` by default, the schedule of
-  PyTorch's ``checkpoint_sequential`` (Chen et al., 2016, "Training deep nets with
-  sublinear memory cost", §4.1).
-* :func:`recursive_halving`: checkpoint the first half of a segment and recurse into both
-  halves until segments have at most ``leaf_size`` stages (logarithmic memory, a logarithmic
-  number of recomputations; cf. Chen et al. §4.2 and Griewank's binomial checkpointing).
+As plans, the baselines run through rotor's executor and are measured the same way.
+no_remat is plain jax.grad; every_stage checkpoints each stage, as nn.remat on every layer.
+sequential_segments is PyTorch's checkpoint_sequential, round(sqrt(L)) segments by default.
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (https://arxiv.org/abs/1604.06174).
+recursive_halving checkpoints half a segment and recurses into both halves.
+Details: docs/design.md, "Remat baselines (remat/baselines.py)".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Next-token prediction over a token stream: CPython's pydoc topics and standard-library
-source (embedded), text files, tfds text.
+"""Next-token prediction over a token stream: pydoc topics, stdlib source, text files, tfds.
 
-A split is one long stream of token ids (documents joined by the tokenizer's document
-separator). Training examples are non-overlapping windows of ``context_length + 1``
-tokens: window ``k`` of epoch ``e`` starts at ``offset_e + k * (context_length + 1)`` with
-``offset_e`` drawn from ``[0, context_length]`` per epoch, so window boundaries move from
-epoch to epoch while the number of windows per epoch stays
-``(num_tokens - context_length) // (context_length + 1)``. Evaluation windows start every
-``context_length`` tokens: consecutive windows share one token, so every token of the
-evaluation stream after the first is a prediction target exactly once (up to a tail of
-fewer than ``context_length`` tokens).
-
-Batches hold ``{"tokens": int32 [B, context_length + 1]}``; inputs are ``tokens[:, :-1]``
-and targets ``tokens[:, 1:]``.
+A split is one long stream of token ids, documents joined by a separator.
+Training windows of context_length + 1 tokens start at an offset drawn per epoch.
+Evaluation windows share one token, so each token is a target exactly once.
+Batches hold {"tokens": int32 [B, context_length + 1]}.
+The window arithmetic: docs/design.md, "Language-model windows
+(train/data/language_modeling.py)".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Stateless example order: which example fills each row of each batch.
 
-Every training batch is a pure function of ``(seed, step)``. Position ``p = step * B + j``
-of the global training stream (global batch size ``B``, row ``j``) belongs to epoch
-``p // N`` of a dataset with ``N`` examples and holds example ``perm_e[p % N]``, where
-``perm_e`` is that epoch's permutation drawn from ``numpy.random.default_rng([seed,
-PERMUTATION_STREAM, e])``. Nothing is carried from one step to the next, so a run resumed
-at any step, or run with a different number of processes, sees bit-identical global
-batches.
-
-Independent random streams (permutations, augmentation, window offsets) are separated by
-a stream tag in the seed sequence, ``[seed, stream, counter]``, so that, for example, the
-augmentation of step 3 never reuses the numbers of the permutation of epoch 3.
+Every training batch is a pure function of (seed, step), via per-epoch permutations.
+So a resumed run, or one with other processes, sees bit-identical global batches.
+Random streams (permutations, augmentation, offsets) are tagged in the seed sequence.
+The arithmetic: docs/design.md, "Stateless sampling (train/data/sampling.py)".
 """
 
 from __future__ import annotations
