@@ -328,6 +328,10 @@ def compressed_momentum_adam(
       ValueError: for betas outside [0, 1), negative ``eps``, learning rate or weight
         decay, a non-positive ``max_grad_norm``, or an exchange that starts compressed
         (the second moment needs dense steps to be estimated).
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed", ICML 2021 (https://arxiv.org/abs/2102.02888).
     """
     check_hyperparameters(
         learning_rate, weight_decay, betas={"b1": b1, "b2": b2}, non_negative={"eps": eps}

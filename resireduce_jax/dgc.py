@@ -337,6 +337,10 @@ def dgc_memory(
       ValueError: for a non-sparse or scaled random-k compressor, ``momentum`` outside
         [0, 1), a non-positive ``clip_norm``, a negative ``min_size``; at ``init``, for
         non-float leaves.
+
+    References:
+      Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+      Distributed Training", ICLR 2018 (https://arxiv.org/abs/1712.01887).
     """
     core = _DGCMemory(
         compressor=_check_sparse(compressor),
@@ -367,6 +371,10 @@ def deep_gradient_compression(
     :func:`dgc_memory`; ``learning_rate`` is a float or an optax schedule. Warm-up
     training (§3.4: exponentially increasing sparsity) is the compressor's density
     schedule: ``compressors.topk(compressors.dgc_warmup(0.001, steps_per_epoch))``.
+
+    References:
+      Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+      Distributed Training", ICLR 2018 (https://arxiv.org/abs/1712.01887).
     """
     return optax.chain(
         dgc_memory(compressor, momentum, clip_norm, axis_name, min_size=min_size, seed=seed),

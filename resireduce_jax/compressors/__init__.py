@@ -57,12 +57,22 @@ def none() -> NoCompression:
 
 
 def fp16() -> Cast:
-    """Cast to float16 before a float16 all-reduce (overflows past ±65504)."""
+    """Cast to float16 before a float16 all-reduce (overflows past ±65504).
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return Cast("float16")
 
 
 def bf16() -> Cast:
-    """Cast to bfloat16 before a bfloat16 all-reduce."""
+    """Cast to bfloat16 before a bfloat16 all-reduce.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return Cast("bfloat16")
 
 
@@ -70,12 +80,22 @@ Density = float | DensitySchedule
 
 
 def topk(density: Density = 0.01) -> TopK:
-    """Exact Top-k on |x| with ``k = max(1, floor(density * n))``. Biased: use EF."""
+    """Exact Top-k on |x| with ``k = max(1, floor(density * n))``. Biased: use EF.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return TopK(density)
 
 
 def randomk(density: Density = 0.01, scaled: bool = False) -> RandomK:
-    """Random-k with indices shared by all workers; unbiased iff ``scaled``."""
+    """Random-k with indices shared by all workers; unbiased iff ``scaled``.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return RandomK(density, scaled)
 
 
@@ -87,59 +107,116 @@ def fast_topk(
     seed: int = 0,
 ) -> FastTopK:
     """Fast Top-k for large leaves (sampled threshold + two-level compaction + exact top-k
-    of the candidates); exact Top-k whenever the candidate count lands in range. Biased."""
+    of the candidates); exact Top-k whenever the candidate count lands in range. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return FastTopK(density, sample_ratio, margin, exact_below, seed)
 
 
 def threshold(tau: float, max_density: Density = 0.01) -> Threshold:
-    """Sends entries with ``|x| >= tau``, at most ``max_density * n`` of them. Biased."""
+    """Sends entries with ``|x| >= tau``, at most ``max_density * n`` of them. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return Threshold(tau, max_density)
 
 
 def dgc(
     density: Density = 0.01, sample_ratio: float = 0.01, rounds: int = 4, tolerance: float = 0.25
 ) -> DGC:
-    """Deep Gradient Compression's sampled-threshold selection of ``density * n`` entries."""
+    """Deep Gradient Compression's sampled-threshold selection of ``density * n`` entries.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+      Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+      Distributed Training", ICLR 2018 (https://arxiv.org/abs/1712.01887).
+    """
     return DGC(density, sample_ratio, rounds, tolerance)
 
 
 def qsgd(levels: int = 127, norm: str = "l2", bucket_size: int | None = 512) -> QSGD:
-    """QSGD stochastic quantization to ``levels`` int8 levels per bucket norm. Unbiased."""
+    """QSGD stochastic quantization to ``levels`` int8 levels per bucket norm. Unbiased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return QSGD(levels, norm, bucket_size)
 
 
 def terngrad() -> TernGrad:
-    """TernGrad: stochastic ternary {-1, 0, 1} * max|x|, 2 bits per entry. Unbiased."""
+    """TernGrad: stochastic ternary {-1, 0, 1} * max|x|, 2 bits per entry. Unbiased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return TernGrad()
 
 
 def natural() -> NaturalCompression:
-    """Natural compression: stochastic rounding to powers of two, 1 byte per entry. Unbiased."""
+    """Natural compression: stochastic rounding to powers of two, 1 byte per entry. Unbiased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return NaturalCompression()
 
 
 def signsgd() -> SignSGD:
-    """signSGD with majority vote: 1 bit per entry, the update is the vote. Biased."""
+    """signSGD with majority vote: 1 bit per entry, the update is the vote. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return SignSGD()
 
 
 def efsignsgd() -> EFSignSGD:
-    """Scaled sign ``||x||_1 / n * sign(x)`` (EF-signSGD), for error feedback. Biased."""
+    """Scaled sign ``||x||_1 / n * sign(x)`` (EF-signSGD), for error feedback. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return EFSignSGD()
 
 
 def signum(beta: float = 0.9) -> Signum:
-    """Signum: per-worker momentum, sign of momentum, majority vote. Biased."""
+    """Signum: per-worker momentum, sign of momentum, majority vote. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return Signum(beta)
 
 
 def onebit() -> OneBit:
-    """1-bit SGD: sign bits + means of the non-negative / negative entries. Biased."""
+    """1-bit SGD: sign bits + means of the non-negative / negative entries. Biased.
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return OneBit()
 
 
 def powersgd(rank: int = 4, seed: int = 0) -> PowerSGD:
-    """PowerSGD rank-``rank`` approximation with warm start (two small all-reduces)."""
+    """PowerSGD rank-``rank`` approximation with warm start (two small all-reduces).
+
+    References:
+      Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
+      Learning", ICDCS 2021 (https://github.com/sands-lab/grace).
+    """
     return PowerSGD(rank, seed)
 
 

@@ -93,7 +93,8 @@ def adamw_r(
 
     References:
       Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
-      Reutilization", PRCV 2024, §3.1 (AdamW-R, Algorithm 1).
+      Reutilization", PRCV 2024, §3.1 (AdamW-R, Algorithm 1); code:
+      https://github.com/adonis-dym/memory_reduced_optimizer.
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
     check_hyperparameters(

@@ -118,9 +118,11 @@ def adan_r(
 
     References:
       Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
-      Reutilization", PRCV 2024, §3.2 (Adan-R, Algorithm 2).
+      Reutilization", PRCV 2024, §3.2 (Adan-R, Algorithm 2); code:
+      https://github.com/adonis-dym/memory_reduced_optimizer.
       Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
-      Models", TPAMI 2024, Algorithm 1; official code sail-sg/Adan.
+      Models", TPAMI 2024, Algorithm 1 (https://arxiv.org/abs/2208.06677); official code
+      sail-sg/Adan.
     """
     check_hyperparameters(
         learning_rate, weight_decay, betas={"b1": b1, "b2": b2, "b3": b3}, non_negative={"eps": eps}

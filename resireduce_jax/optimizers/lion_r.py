@@ -80,8 +80,10 @@ def lion_r(
 
     References:
       Dong & Lin, "Reducing Memory Footprint in Deep Network Training by Gradient Space
-      Reutilization", PRCV 2024, §3.3 (Lion-R, Algorithm 3).
-      Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023.
+      Reutilization", PRCV 2024, §3.3 (Lion-R, Algorithm 3); code:
+      https://github.com/adonis-dym/memory_reduced_optimizer.
+      Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023
+      (https://arxiv.org/abs/2302.06675).
     """
     check_beta("b1", b1)
     check_beta(
