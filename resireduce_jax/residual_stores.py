@@ -46,23 +46,31 @@ along the split dimension is made per shard, the other one is global.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from resireduce_jax import in_place
+from resireduce_jax._src import in_place
+from resireduce_jax.compressors.base import ordered
 from resireduce_jax.grouping import Group
 
 __all__ = [
     "BlockResidual",
+    "BlockStore",
     "DimensionNorms",
+    "LeafStore",
     "MatrixView",
+    "NoStore",
     "RowsResidual",
+    "RowsStore",
     "Shard",
+    "SharedStore",
     "StorePlan",
     "WeightedSum",
     "compensate",
@@ -75,6 +83,7 @@ __all__ = [
     "residual_weight",
     "shard_store",
     "stored_bytes",
+    "where_skip",
 ]
 
 Kind = Literal["none", "leaf", "average", "weighted", "rows", "2d"]
@@ -185,9 +194,75 @@ class StorePlan:
     norm_source: NormSource = "residual"
     shard: Shard | None = None
 
-    @property
-    def shared(self) -> bool:
-        return self.kind in ("average", "weighted")
+    keeps_residual: ClassVar[bool] = True
+    """Whether the store keeps a residual at all (all but ``"none"``)."""
+    own_residual: ClassVar[bool] = False
+    """The unit's whole residual, as plain error feedback keeps it (``"leaf"``): on a
+    skipped step it takes ``G + R`` through the compressor's skip hook, and a leading dense
+    phase updates it like any other phase. Every other store keeps its residual exactly on
+    a skipped step and holds zeros through a leading dense phase."""
+    shared: ClassVar[bool] = False
+    """Whether the members of a group share the residual (``"average"``, ``"weighted"``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StorePlan:
+        """``StorePlan(group, kind, ...)`` is an instance of the kind's class."""
+        kind = kwargs.get("kind", args[1] if len(args) > 1 else None)
+        return object.__new__(_STORE_CLASSES.get(kind, cls))  # no kind: unpickling
+
+    # ------------------------------------------------------------------ what is kept
+
+    def init(self) -> Any:
+        """Zero residual (the first step starts with ``R = 0``)."""
+        return jnp.zeros(self.group.shape, self.dtype)
+
+    def stored_bytes(self) -> int:
+        """Bytes the stored residual occupies (indices included)."""
+        return self.group.size * np.dtype(self.dtype).itemsize
+
+    def densify(self, stored: Any) -> jax.Array:
+        """The stored residual as a dense leaf-shaped array (zeros where nothing is kept)."""
+        return jnp.asarray(stored)
+
+    # ------------------------------------------------------------------ one step
+
+    def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
+        """``G~ = G + R``, written into the donated residual's buffer."""
+        return g + stored.astype(g.dtype)
+
+    def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:
+        """What the store reads of ``G~`` before the exchange consumes it: ``(G~, what
+        was read)``. ``ordered_reads``: order the read before ``G~``'s next use."""
+        del ordered_reads
+        return x, None
+
+    def residual_skip(self, skip: jax.Array | None) -> jax.Array | None:
+        """The compressor's skip hook for this store's units (:attr:`own_residual`)."""
+        return skip if self.own_residual else None
+
+    def finish(self, r: jax.Array, stored: Any, read: Any, key: Callable, skip: Any) -> Any:
+        """The new stored residual of a singleton store from the unit's fresh residual
+        ``r``. ``read``: :meth:`read_compensated`'s; ``key()``: the selection key."""
+        del stored, read, key, skip
+        return r.astype(self.dtype)
+
+    # ------------------------------------------------------------ layer-stack slices
+
+    def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
+        """:meth:`compensate` for the slices of ``batch`` in the slice-major stack ``x``."""
+        return in_place.add_slices(x, stored, batch.start, np.arange(len(batch.stores)))
+
+    def read_slices(self, x: jax.Array, start: int, stop: int) -> tuple[jax.Array, Any]:
+        """:meth:`read_compensated` for slices ``start ... stop - 1`` of ``x``."""
+        del start, stop
+        return x, None
+
+    def finish_slices(
+        self, part: jax.Array, read: Any, batch: StoreBatch, stored: Any, keys: Callable, skip: Any
+    ) -> Any:
+        """The batch's new stored residuals from its slices' fresh residuals ``part``;
+        ``keys()``: the slices' selection keys."""
+        del read, batch, stored, keys, skip
+        return part.astype(self.dtype)
 
 
 def shard_store(plan: StorePlan, axis_name: str, count: int) -> StorePlan:
@@ -219,31 +294,185 @@ def shard_store(plan: StorePlan, axis_name: str, count: int) -> StorePlan:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class NoStore(StorePlan):
+    """Compressed with no residual: no error feedback (``"none"``)."""
+
+    keeps_residual: ClassVar[bool] = False
+
+    def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
+        return g
+
+    def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafStore(StorePlan):
+    """The unit's own dense residual: plain error feedback (``"leaf"``)."""
+
+    own_residual: ClassVar[bool] = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedStore(StorePlan):
+    """One residual for a group's members (§4.2): ResiReduce-a (``"average"``) or -w
+    (``"weighted"``). Rebuilt after each step from the members' weighted fresh residuals."""
+
+    shared: ClassVar[bool] = True
+
+    @property
+    def reads_weights(self) -> bool:
+        """Whether member weights are taken of ``G~`` (the reference code's reading)."""
+        return self.kind == "weighted" and self.weight_source == "compensated"
+
+    def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
+        # R stays readable for the other members: added into G's own buffer.
+        return in_place.add_into(g, stored)
+
+    def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:
+        if not self.reads_weights:
+            return x, None
+        weight = residual_weight(x, self.phi, self.shard)
+        return ordered(x, weight) if ordered_reads else (x, weight)
+
+    def member_weight(self, r: jax.Array, read: Any) -> jax.Array:
+        """A member's weight in the group's sum: 1 (``"average"``), or §4.2's weight of
+        ``G~`` (``read``) or of the fresh residual ``r``."""
+        if self.kind == "average":
+            return jnp.ones([], jnp.float32)
+        return residual_weight(r, self.phi, self.shard) if read is None else read
+
+    def slice_weights(self, x: jax.Array) -> jax.Array:
+        """Every slice's member weight, float32 ``[slices]``."""
+        if self.kind == "average":
+            return jnp.ones(x.shape[:1], jnp.float32)
+        return jax.vmap(lambda s: residual_weight(s, self.phi, self.shard))(x)
+
+    def finish(self, r, stored, read, key, skip):
+        raise TypeError("A shared group's residual is a sum over its members (WeightedSum).")
+
+    def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
+        return in_place.add_slices(x, stored, batch.start, batch.store_of_slice)
+
+    def read_slices(self, x: jax.Array, start: int, stop: int) -> tuple[jax.Array, Any]:
+        if not self.reads_weights:
+            return x, None
+        return ordered(x, self.slice_weights(x[start:stop]))
+
+    def finish_slices(self, part, read, batch, stored, keys, skip):
+        weights = self.slice_weights(part) if read is None else read
+        sums = WeightedSum.of_groups(part, weights, batch.sizes)
+        return where_skip(skip, stored, sums.finish(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsStore(StorePlan):
+    """ResiReduce-d (§4.3): a singleton layer keeps its rows of largest L1 norm
+    (``"rows"``)."""
+
+    keeps_columns: ClassVar[bool] = False
+
+    def init(self) -> Any:
+        return RowsResidual(
+            rows=jnp.arange(self.keep_rows, dtype=jnp.int32),
+            values=jnp.zeros(_rows_block_shape(self.view, self.keep_rows), self.dtype),
+        )
+
+    def stored_bytes(self) -> int:
+        itemsize = np.dtype(self.dtype).itemsize
+        return self.keep_rows * self.view.num_cols * itemsize + self.keep_rows * 4
+
+    def densify(self, stored: Any) -> jax.Array:
+        zeros = jnp.zeros(self.group.shape, jnp.promote_types(self.dtype, jnp.float32))
+        return self.compensate(stored, zeros)
+
+    def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
+        return _compensate_kept(self, stored, g)
+
+    def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:
+        del ordered_reads
+        if self.norm_source != "compensated":
+            return x, None
+        # Two vectors of G~, taken before G~ is consumed, with |G~| in its buffer.
+        return dimension_norms_in_place(self, x)
+
+    def finish(self, r, stored, read, key, skip):
+        return where_skip(skip, stored, compress_residual(self, r, key(), read))
+
+    def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
+        x, _ = _map_range(
+            x,
+            batch.start,
+            batch.stop,
+            lambda part: (jax.vmap(self.compensate)(stored, part), None),
+        )
+        return x
+
+    def read_slices(self, x: jax.Array, start: int, stop: int) -> tuple[jax.Array, Any]:
+        if self.norm_source != "compensated":
+            return x, None
+        norms = jax.vmap(functools.partial(dimension_norms_in_place, self))
+        return _map_range(x, start, stop, norms)
+
+    def finish_slices(self, part, read, batch, stored, keys, skip):
+        kept = jax.vmap(functools.partial(compress_residual, self))(part, keys(), read)
+        return where_skip(skip, stored, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStore(RowsStore):
+    """ResiReduce-2d (§4.3): a singleton layer keeps the block at its top rows × top
+    columns (``"2d"``)."""
+
+    keeps_columns: ClassVar[bool] = True
+
+    def init(self) -> Any:
+        return BlockResidual(
+            rows=jnp.arange(self.keep_rows, dtype=jnp.int32),
+            cols=jnp.arange(self.keep_cols, dtype=jnp.int32),
+            values=jnp.zeros(_block_shape(self.view, self.keep_rows, self.keep_cols), self.dtype),
+        )
+
+    def stored_bytes(self) -> int:
+        itemsize = np.dtype(self.dtype).itemsize
+        return self.keep_rows * self.keep_cols * itemsize + (self.keep_rows + self.keep_cols) * 4
+
+
+_STORE_CLASSES: dict[str, type[StorePlan]] = {
+    "none": NoStore,
+    "leaf": LeafStore,
+    "average": SharedStore,
+    "weighted": SharedStore,
+    "rows": RowsStore,
+    "2d": BlockStore,
+}
+
+
+def where_skip(skip: jax.Array | None, if_skipped: Any, otherwise: Any) -> Any:
+    """``otherwise``, or ``if_skipped`` on a skipped step (``skip``: a boolean scalar)."""
+    if skip is None:
+        return otherwise
+    return jax.tree.map(lambda a, b: jnp.where(skip, a, b), if_skipped, otherwise)
+
+
+def _map_range(x: jax.Array, start: int, stop: int, fn: Callable) -> tuple[jax.Array, Any]:
+    """``fn`` of slices ``start ... stop - 1`` of ``x``, which returns ``(new slices,
+    extra)``; the new slices are written back into ``x``."""
+    if (start, stop) == (0, x.shape[0]):
+        return fn(x)
+    new, extra = fn(x[start:stop])
+    return x.at[start:stop].set(new), extra
+
+
 def stored_bytes(plan: StorePlan) -> int:
     """Bytes the stored residual of ``plan`` occupies (indices included)."""
-    itemsize = np.dtype(plan.dtype).itemsize
-    if plan.kind == "rows":
-        return plan.keep_rows * plan.view.num_cols * itemsize + plan.keep_rows * 4
-    if plan.kind == "2d":
-        return plan.keep_rows * plan.keep_cols * itemsize + (plan.keep_rows + plan.keep_cols) * 4
-    return plan.group.size * itemsize
+    return plan.stored_bytes()
 
 
 def init_store(plan: StorePlan) -> Any:
     """Zero residual of ``plan`` (the first step starts with ``R = 0``)."""
-    if plan.kind == "rows":
-        values_shape = _rows_block_shape(plan.view, plan.keep_rows)
-        return RowsResidual(
-            rows=jnp.arange(plan.keep_rows, dtype=jnp.int32),
-            values=jnp.zeros(values_shape, plan.dtype),
-        )
-    if plan.kind == "2d":
-        return BlockResidual(
-            rows=jnp.arange(plan.keep_rows, dtype=jnp.int32),
-            cols=jnp.arange(plan.keep_cols, dtype=jnp.int32),
-            values=jnp.zeros(_block_shape(plan.view, plan.keep_rows, plan.keep_cols), plan.dtype),
-        )
-    return jnp.zeros(plan.group.shape, plan.dtype)
+    return plan.init()
 
 
 def _rows_block_shape(view: MatrixView, k: int) -> tuple[int, int]:
@@ -267,16 +496,16 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
 
     A leaf's own residual is donated, so ``G + R`` is written into it. A shared residual
     is read by every member of its group, so it is added into ``G``'s own buffer, block
-    by block (:func:`resireduce_jax.in_place.map_blocks`). An intra-layer residual is
-    added where it belongs in ``G``'s own buffer, block by
-    block (:func:`resireduce_jax.in_place.map_blocks`): every element is read and written
-    once, and no index array the size of the kept block is formed (a scatter at rows ×
-    columns needs one, 2 int32 per kept element: twice the stored residual).
+    by block (:func:`resireduce_jax._src.in_place.map_blocks`). An intra-layer residual is
+    added where it belongs in ``G``'s own buffer, block by block: every element is read
+    and written once, and no index array the size of the kept block is formed (a scatter
+    at rows × columns needs one, 2 int32 per kept element: twice the stored residual).
     """
-    if plan.shared:  # R stays readable for the other members: written into G's buffer
-        return in_place.add_into(g, stored)
-    if plan.kind not in ("rows", "2d"):  # written into the donated residual's buffer
-        return g + stored.astype(g.dtype)
+    return plan.compensate(stored, g)
+
+
+def _compensate_kept(plan: RowsStore, stored: Any, g: jax.Array) -> jax.Array:
+    """An intra-layer residual added where it belongs in ``G``'s own buffer."""
     size0, size1 = plan.view.shape2d
     kept0, kept1 = _kept_indices(plan, stored)
     where0 = None if kept0 is None else _positions(kept0, size0)
@@ -298,9 +527,9 @@ def compensate(plan: StorePlan, stored: Any, g: jax.Array) -> jax.Array:
     return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)
 
 
-def _kept_indices(plan: StorePlan, stored: Any) -> tuple[jax.Array | None, jax.Array | None]:
+def _kept_indices(plan: RowsStore, stored: Any) -> tuple[jax.Array | None, jax.Array | None]:
     """Indices of the stored values along the matrix view's axes 0 and 1 (``None``: all)."""
-    if plan.kind == "rows":
+    if not plan.keeps_columns:
         return (stored.rows, None) if plan.view.row_axis == 0 else (None, stored.rows)
     return _axis_indices(plan.view, stored.rows, stored.cols)
 
@@ -347,9 +576,9 @@ class WeightedSum(NamedTuple):
         return cls(in_place.map_blocks(r.astype(dtype), lambda block, _: weight * block), weight)
 
     def add(self, r: jax.Array, weight: jax.Array) -> WeightedSum:
-        """Adds ``weight * r`` to the sum in the sum's own buffer (:mod:`~resireduce_jax.in_place`:
-        an element-wise add on XLA:CPU would give the new sum a second member-sized buffer
-        while the old one is still read)."""
+        """Adds ``weight * r`` to the sum in the sum's own buffer
+        (:mod:`~resireduce_jax._src.in_place`: an element-wise add on XLA:CPU would give the
+        new sum a second member-sized buffer while the old one is still read)."""
         weight = weight.astype(self.weight.dtype)
         return WeightedSum(in_place.add_into(self.total, r, weight), self.weight + weight)
 
@@ -446,7 +675,7 @@ def dimension_norms(plan: StorePlan, x: jax.Array) -> DimensionNorms:
 
 def dimension_norms_in_place(plan: StorePlan, x: jax.Array) -> tuple[jax.Array, DimensionNorms]:
     """:func:`dimension_norms` of ``x`` taken of ``|x|`` written over ``x``'s buffer
-    (:func:`resireduce_jax.in_place.magnitudes`); returns ``x`` again, bit for bit, with the
+    (:func:`resireduce_jax._src.in_place.magnitudes`); returns ``x`` again, bit for bit, with the
     norms. For a temporary ``x`` (``G~`` of a 2-D store) that must live on afterwards."""
     magnitude, bits = in_place.magnitudes(x)
     norms = _l1_norms(plan, magnitude)
@@ -459,7 +688,7 @@ def _l1_norms(plan: StorePlan, magnitude: jax.Array) -> DimensionNorms:
     view = plan.view
     a = magnitude.reshape(view.shape2d).astype(jnp.promote_types(magnitude.dtype, jnp.float32))
     rows = jnp.sum(a, axis=1 - view.row_axis)
-    cols = jnp.sum(a, axis=view.row_axis) if plan.kind == "2d" else None
+    cols = jnp.sum(a, axis=view.row_axis) if plan.keeps_columns else None
     if plan.shard is not None:  # sums over axis 0 are partial on a shard: whole-layer norms
         if view.row_axis == 1:
             rows = lax.psum(rows, plan.shard.axis_name)
@@ -474,7 +703,7 @@ def compress_residual(
     """Keeps the part of a fresh singleton residual ``r`` that ``plan`` stores (§4.3).
 
     Without ``norms`` the rows and columns are ranked by ``r``'s own norms, taken of
-    ``|r|`` written over ``r``'s buffer (:func:`resireduce_jax.in_place.magnitudes`); the
+    ``|r|`` written over ``r``'s buffer (:func:`resireduce_jax._src.in_place.magnitudes`); the
     kept values get their signs back from the sign bits. ``r`` must not be read afterwards.
 
     Args:
@@ -504,7 +733,7 @@ def compress_residual(
     else:
         key_rows = key_cols = None
     rows = _select(norms.rows, plan.keep_rows, plan.selection, key_rows)
-    if plan.kind == "rows":
+    if not plan.keeps_columns:
         every = jnp.arange(view.shape2d[1 - view.row_axis], dtype=jnp.int32)
         i0, i1 = (rows, every) if view.row_axis == 0 else (every, rows)
         return RowsResidual(rows, take(i0[:, None], i1[None, :]).astype(plan.dtype))
@@ -515,10 +744,7 @@ def compress_residual(
 
 def densify(plan: StorePlan, stored: Any) -> jax.Array:
     """The stored residual as a dense leaf-shaped array (zeros where nothing is kept)."""
-    if plan.kind not in ("rows", "2d"):
-        return jnp.asarray(stored)
-    zeros = jnp.zeros(plan.group.shape, jnp.promote_types(plan.dtype, jnp.float32))
-    return compensate(plan, stored, zeros)
+    return plan.densify(stored)
 
 
 # ------------------------------------------------------------------ layer stacks: batches
@@ -619,4 +845,4 @@ def batch_stores(
 
 def init_batch(batch: StoreBatch) -> Any:
     """Zero residuals of every store of ``batch``, stacked (:func:`init_store`)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *(init_store(p) for p in batch.stores))
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *(p.init() for p in batch.stores))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import pathlib
+
 import jax
 import numpy as np
 import optax
@@ -88,3 +92,33 @@ def test_resize_workers_gives_every_new_worker_the_old_mean():
         assert new.shape == (3, *old.shape[1:])
         for w in range(3):
             np.testing.assert_allclose(new[w], old.mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_store_plans_are_instances_of_their_kinds_classes():
+    stores = rr.residual_stores
+    params = {"a": np.zeros((64, 64), np.float32), "b": np.zeros((64, 64), np.float32)}
+    group = rr.grouping.resolve(params, rr.grouping.each_leaf(), 1)[0]
+    expected = {
+        "none": (stores.NoStore, False, False, False),
+        "leaf": (stores.LeafStore, True, True, False),
+        "average": (stores.SharedStore, True, False, True),
+        "weighted": (stores.SharedStore, True, False, True),
+        "rows": (stores.RowsStore, True, False, False),
+        "2d": (stores.BlockStore, True, False, False),
+    }
+    for kind, (cls, keeps, own, shared) in expected.items():
+        plan = stores.StorePlan(group, kind, np.float32)
+        assert type(plan) is cls and plan.kind == kind
+        assert (plan.keeps_residual, plan.own_residual, plan.shared) == (keeps, own, shared)
+        assert type(dataclasses.replace(plan, phi=0.25)) is cls
+
+
+def test_the_exchange_compares_no_store_kinds():
+    """The passes call the stores' methods: no ``.kind`` is read in exchange.py."""
+    source = pathlib.Path(rr.exchange.__file__).read_text()
+    reads = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr == "kind"
+    ]
+    assert reads == []
