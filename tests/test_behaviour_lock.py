@@ -1,18 +1,22 @@
-"""Results a refactor of the exchange must keep bit for bit: the byte GPT's parameters after
-20 steps of the training program, and its step's compiled peak, recorded from the code
-before the stores became objects. A change here is a change of behaviour: it needs a
-reason, not a new digest."""
+"""Results a refactor of the exchange must keep bit for bit, recorded from the code before
+the stores became objects: the byte GPT's parameters after 20 steps of the training
+program and its step's compiled figures (EF, w+2d, the recipe). A change here is a change
+of behaviour: it needs a reason, not a new digest."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
 from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import peak_memory  # noqa: E402  (benchmarks/peak_memory.py: GPT-2 medium width's sizes)
 
 # name: (config changes, params sha256 after 20 steps, the first phase's compiled step:
 # argument, output, alias and temp bytes per device)
@@ -32,11 +36,14 @@ RECORDED = {
         "cbb92104a97923e3c085843ded8fb42ccda023e5e8d77655bcd0f3d3a2cb127d",
         (2327344, 2326337, 2325264, 13261136),
     ),
-    "recipe_ef": (
-        {"variant": "ef"},
-        "480730c5a02f12864b7c93eb3e67d7020dc1a1f9f9961ae584457703fabc4df8",
-        (2720560, 2719617, 2718480, 13261904),
-    ),
+}
+
+
+# GPT-2 medium width (peak_memory.py's case: 3 blocks, 1x128 tokens per worker, 8
+# workers), guarded step: argument, output, alias and temp bytes per device.
+GPT2_MEDIUM = {
+    "ef": (1444672028, 1444672641, 1444671504, 309821088),
+    "w+2d": (1189720764, 1189721329, 1189720240, 273735264),
 }
 
 
@@ -63,3 +70,10 @@ def test_byte_gpt_twenty_steps_are_bit_identical_to_the_recorded_run(name, tmp_p
     assert summary.params_digest == digest
     (row,) = summary.memory["compiled_peak"]["rows"]
     assert (row["argument"], row["output"], row["alias"], row["temp"]) == figures
+
+
+@pytest.mark.parametrize("variant", list(GPT2_MEDIUM))
+def test_gpt2_medium_width_compiled_step_is_the_recorded_one(variant):
+    step = peak_memory._compile(peak_memory.CASES["gpt2_medium"], variant, True)
+    peak = step.peak
+    assert (peak.argument, peak.output, peak.alias, peak.temp) == GPT2_MEDIUM[variant]
