@@ -838,15 +838,15 @@ def exchange(
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys (compressor randomness, residual sampling).
       name: the public factory's name, for error messages.
-      local_axis: the axis of a node's devices for the hierarchical exchange (module
-        docstring), or ``None`` (flat).
+      local_axis: the axis of a node's devices for the hierarchical exchange
+        (docs/design.md, "Hierarchical exchange"), or ``None`` (flat).
       layer_stacks: ``{regex: axis}``: the leaves that stack a weight of every layer, and
         their layer axis (:mod:`resireduce_jax.layer_stacks`); ``planner`` then sees the
         unstacked pytree (every slice a leaf at its slice path).
       selection_scope: ``"leaf"``: a sparsifier sends its density of each leaf;
         ``"global"``: a Top-k phase sends its density of all compressed leaves together
-        (module docstring; singleton stores of one dtype, flat, no layer stacks; every
-        phase of the compressor Top-k or dense).
+        (docs/design.md, "Whole-model Top-k"; singleton stores of one dtype, flat, no
+        layer stacks; every phase of the compressor Top-k or dense).
 
     Returns:
       An :class:`ExchangeTransformation` whose state is an :class:`ExchangeState`.

@@ -1,20 +1,11 @@
 """ResiReduce: error feedback with reduced residual memory, as an optax transform.
 
-Implements Zheng et al., "Saving Memory via Residual Reduction for DNN Training with
-Compressed Communication": error feedback (§2.2) whose residuals are shared across
-reusable groups of similar adjacent layers (§4.2, ResiReduce-a / -w) and compressed inside
-large single layers (§4.3, ResiReduce-d / -2d). This module decides, from shapes, which
-store keeps each leaf's residual (:func:`plan_stores`); storage lives in
-:mod:`resireduce_jax.residual_stores`, grouping in :mod:`resireduce_jax.grouping`, and the
-exchange itself (one algorithm for all modes) in :mod:`resireduce_jax.exchange`.
-
-One step, per worker, for a group with members ``1..a`` and stored residual ``R``::
-
-    for i in 1..a (layer order):
-        G~_i = G_i + R                  # every member compensated with the previous R
-        P_i  = Q(G~_i);  out_i = mean_w D(P_i)
-        r_i  = G~_i - D(P_i)            # member's fresh residual
-    R <- sum_i w_i r_i / sum_i w_i      # -w (w_i from r_i or G~_i), or mean (-a)
+Zheng et al., "Saving Memory via Residual Reduction for DNN Training with Compressed
+Communication" (code: https://github.com/YuchongHu/ResiReduce): residuals shared across
+groups of similar adjacent layers (§4.2, -a / -w) and compressed inside large single
+layers (§4.3, -d / -2d). This module decides from shapes which store keeps each leaf's
+residual (:func:`plan_stores`); the exchange runs them. Details: docs/design.md,
+"Residual stores (residual_stores.py)".
 """
 
 from __future__ import annotations

@@ -1,46 +1,12 @@
 """How residuals are stored: per leaf, shared per group, or compressed inside one layer.
 
-ResiReduce (Zheng et al., "Saving Memory via Residual Reduction for DNN Training with
-Compressed Communication") keeps error-feedback residuals in less memory in two ways, and
-this module implements the storage side of both (it communicates only the whole-layer
-statistics of sharded stores, below):
-
-* **Inter-layer** (§4.2): the members of a reusable group share one residual. After a step
-  the group residual is rebuilt from the members' fresh residuals ``r_i``:
-  ``"average"`` (ResiReduce-a: ``mean_i r_i``) or ``"weighted"`` (ResiReduce-w:
-  ``sum_i w_i r_i / sum_i w_i`` with ``w_i = phi ||x_i||_1 / n + (1 - phi) ||x_i||_2 / sqrt(n)``,
-  where ``x_i`` is ``r_i`` (the paper) or the compensated gradient ``G~_i`` (the reference
-  code)).
-* **Intra-layer** (§4.3): a large singleton layer keeps only part of its residual, seen as
-  a 2-D matrix: ``"rows"`` (ResiReduce-d) keeps the rows of largest L1 norm, ``"2d"``
-  (ResiReduce-2d) the intersection of the top rows and the top columns (Fig. 7). The rest
-  of the residual is dropped. The L1 norms that rank rows and columns are those of the
-  fresh residual ``r = G~ - D(P)`` (``norm_source="residual"``, the paper's reading) or of
-  the compensated gradient ``G~`` (``norm_source="compensated"``: the reference code's
-  ``update`` in ``dimcprs.py``, ``dimcprs2d.py`` and ``resireduce*.py`` takes
-  ``torch.norm(tensor, p=1, dim=...)`` of the tensor it was handed, which is ``G~``).
-
-The 2-D view of a leaf (:func:`matrix_view`) follows PyTorch's meaning of "row" so that
-selections match the reference code: for a kernel (Flax ``Dense`` ``[in, out]``, ``Conv``
-``[kh, kw, in, out]``) the rows are the **output units** (torch's ``[out, in*kh*kw]``) and
-the columns everything else flattened; for an embedding table ``[vocab, features]`` the
-rows are the vocabulary entries. No transpose is materialized: the leaf is reshaped to
-``(prod(shape[:-1]), shape[-1])`` (kernels, rows on axis 1) or ``(shape[0], rest)``
-(embeddings, rows on axis 0) and selections index the right axis.
-
-Residuals can be stored in a lower precision (``residual_dtype``, beyond the paper);
-accumulation always happens in float32 or wider.
-
-**Sharded stores** (the hierarchical exchange, beyond the paper; docs/design.md,
-"Hierarchical exchange"). With a local axis of ``L`` devices per node, a leaf's 2-D view
-``(A, B)`` is split along its axis 0 into ``L`` shards of ``ceil(A / L)`` rows (the last
-padded with zeros), and every store keeps one shard per device: the plan's ``group.shape``
-and ``view`` are the shard's, and :class:`Shard` says how the shard relates to the leaf.
-Statistics that need the whole layer are summed over the local axis: ResiReduce-w's member
-weights, and the L1 norms of the view's axis-1 indices (columns of a kernel's output units
-are rows in §4.3's sense). Indices along axis 0 are whole on one device, so their norms
-are exact locally, and every device keeps ``ceil(keep / L)`` of its own: the selection
-along the split dimension is made per shard, the other one is global.
+The storage side of ResiReduce (Zheng et al., "Saving Memory via Residual Reduction for
+DNN Training with Compressed Communication", §4.2 and §4.3; code:
+https://github.com/YuchongHu/ResiReduce). Each store kind is a class: no residual, the
+leaf's own, one shared by a group (average / weighted), a layer's top rows, or its rows
+× columns. Each class compensates, reads what it needs of ``G~`` and keeps the new
+residual; the exchange calls them. Details, the 2-D view and sharded stores:
+docs/design.md, "Residual stores (residual_stores.py)".
 """
 
 from __future__ import annotations
@@ -107,7 +73,8 @@ class MatrixView(NamedTuple):
 
 
 def matrix_view(path: str, shape: tuple[int, ...]) -> MatrixView:
-    """The documented 2-D view of a leaf for intra-layer compression (see module docstring)."""
+    """The 2-D view of a leaf for intra-layer compression (docs/design.md, "Residual
+    stores")."""
     if len(shape) < 2:
         raise ValueError(f"Leaf '{path}' of shape {shape} has no 2-D view (needs ndim >= 2).")
     if path.rsplit("/", 1)[-1] == "embedding":
@@ -270,9 +237,9 @@ def shard_store(plan: StorePlan, axis_name: str, count: int) -> StorePlan:
 
     The leaf's 2-D view (:func:`matrix_view` of the group's shape) is split along axis 0;
     the plan's group shape and view become the shard's, and the intra-layer selection
-    along the split dimension keeps ``ceil(keep / count)`` indices per shard (see the
-    module docstring). Per-device stored bytes are the unsharded plan's ``/ count``, up to
-    padding and indices.
+    along the split dimension keeps ``ceil(keep / count)`` indices per shard
+    (docs/design.md, "Residual stores"). Per-device stored bytes are the unsharded plan's
+    ``/ count``, up to padding and indices.
     """
     group = plan.group
     full_view = matrix_view(group.paths[0], group.shape)

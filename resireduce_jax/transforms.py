@@ -1,25 +1,11 @@
 """Compressed gradient averaging as optax transforms: without and with error feedback.
 
-Both turn each worker's *local* gradients into the *global* mean gradient, exchanged in
-compressed form over a named mapped axis. They belong first in an optax chain, inside
-``jax.shard_map`` (or ``jax.pmap``) over the data-parallel axis::
-
-    tx = optax.chain(
-        resireduce_jax.error_feedback(resireduce_jax.compressors.topk(0.01)),
-        optax.sgd(0.1, momentum=0.9),
-    )
-
-They are thin views of the one exchange algorithm in :mod:`resireduce_jax.exchange`
-(:func:`~resireduce_jax.resireduce` is the third): here every compressed leaf keeps no
-residual (:func:`compressed_mean`) or its own (:func:`error_feedback`). Leaves with
-``ndim <= 1`` or fewer than ``min_size`` elements travel dense (``pmean``) and keep no
-residual, as in the reference code. The output is identical on every worker, so
-parameters stay replicated; only residuals (and per-worker compressor state) differ
-between workers. :func:`resireduce_jax.parallel.state_partition_specs` tells which state
-leaves are per-worker.
-
-Randomness: the transforms keep a step counter and derive one key per leaf and step from
-``seed``; compressors that need independent draws per worker also fold in the worker index.
+:func:`compressed_mean` keeps no residual, :func:`error_feedback` one per compressed leaf
+(Seide et al., "1-bit stochastic gradient descent", Interspeech 2014; Karimireddy et al.,
+"Error Feedback Fixes SignSGD", https://arxiv.org/abs/1901.09847). Both are views of the
+one algorithm in :mod:`resireduce_jax.exchange` and come first in an optax chain, inside
+``shard_map`` or ``pmap``. Details: docs/design.md, "Exchange core and the non-finite
+guard", and docs/exchange.md.
 """
 
 from __future__ import annotations
