@@ -255,8 +255,8 @@ def resireduce(
         paper; :mod:`resireduce_jax.exchange`). The stores are the same: each keeps what its
         members did not send. Flat exchanges without layer stacks, every phase Top-k or
         dense, one dtype. The compensated gradients of every shared or 2-D member are
-        alive at once (no member is finished before the joint selection): on GPT-2
-        medium width and ResNet-50 w+2d's peak is then above error feedback's, so use
+        alive at once (no member is finished before the joint selection), so its peak
+        can be above error feedback's (benchmarks/results/peak_memory_global): use
         :func:`~resireduce_jax.error_feedback` with it where memory matters.
 
     Returns:
@@ -266,6 +266,10 @@ def resireduce(
       optional ``skip`` (see :mod:`resireduce_jax.exchange` and
       :func:`~resireduce_jax.skip_nonfinite`): shared and intra-layer stores keep their
       residual exactly on a skipped step.
+
+    References:
+      Zheng, Ming, Hu et al., "Saving Memory via Residual Reduction for DNN Training with
+      Compressed Communication" (code: https://github.com/YuchongHu/ResiReduce).
     """
     compressor = check_compressor(compressor)
     min_size = check_min_size(min_size)

@@ -201,6 +201,12 @@ def error_feedback(
       ``update`` takes an optional ``skip``, a boolean scalar equal on all workers: zero
       output, counters unchanged, and each residual becomes ``G~`` (nothing was sent); see
       :func:`resireduce_jax.skip_nonfinite`.
+
+    References:
+      Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
+      Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014; Karimireddy et
+      al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML
+      2019 (https://arxiv.org/abs/1901.09847).
     """
     return _singleton_exchange(
         "leaf",
