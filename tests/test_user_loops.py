@@ -285,3 +285,94 @@ def test_nnx_optimizer_stops_with_a_pointer_to_the_docs():
     grads = nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 64))) ** 2))(model)
     with pytest.raises(ValueError, match="Flax NNX and linen TrainState"):
         optimizer.update(model, grads)
+
+
+def test_mass_is_conserved_in_the_documented_layout_of_an_own_step():
+    """EF sends what it takes out of ``G + R``: per worker, ``sent = G + R_old - R_new``,
+    and the update is minus the workers' mean of it (SGD, lr 1). The residuals are read
+    with ``leaf_residuals`` in the ``[workers, *shape]`` layout of ``init_state``."""
+    chex = pytest.importorskip("chex")
+    mesh = rr.parallel.make_mesh(W)
+    tx = optax.chain(_ef(), optax.sgd(1.0))
+    specs, state = rr.parallel.init_state(tx, _params(), mesh)
+    step = _own_step(tx, mesh, specs, local=True)
+    params = rr.parallel.replicated(_params(), mesh)
+    plan = _ef().plan(_params())
+    for t in range(3):
+        batch = _batch(t, W * 4)
+        (old,) = rr.exchange.exchange_states(state)
+        old_r = jax.tree.map(np.asarray, rr.exchange.leaf_residuals(old, plan))
+        before = jax.tree.map(np.asarray, params)
+        params, state = step(params, state, rr.parallel.shard_batch(batch, mesh))
+        (new,) = rr.exchange.exchange_states(state)
+        new_r = jax.tree.map(np.asarray, rr.exchange.leaf_residuals(new, plan))
+        shards = [{k: v[w * 4 : (w + 1) * 4] for k, v in batch.items()} for w in range(W)]
+        grads = [jax.grad(_loss)(_params_like(before), s) for s in shards]
+        for path in old_r:
+            layer = path.split("/")[0]
+            sent = [
+                np.asarray(grads[w][layer]["kernel"]) + old_r[path][w] - new_r[path][w]
+                for w in range(W)
+            ]
+            chex.assert_trees_all_close(
+                before[layer]["kernel"] - np.asarray(params[layer]["kernel"]),
+                np.mean(sent, axis=0),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
+def _params_like(tree):
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def test_nnx_state_through_an_own_shard_map_step():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(32, 64, rngs=rngs)
+            self.out = nnx.Linear(64, 24, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jnp.tanh(self.hidden(x)))
+
+    model = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.chain(
+        rr.resireduce(  # a path rule as written for linen paths finds NNX's ".../value"
+            rr.compressors.topk(0.05), min_size=1000, inter="none", intra_layers=r"hidden/kernel"
+        ),
+        optax.sgd(0.1),
+    )
+    mesh = rr.parallel.make_mesh(W)
+    specs, opt_state = rr.parallel.init_state(tx, params, mesh)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
+    )
+    def step(params, opt_state, batch):
+        opt_state = rr.parallel.unstack_per_worker(opt_state, specs)
+
+        def loss(p):
+            return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(lax.pcast(params, "data", to="varying"))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, rr.parallel.stack_per_worker(opt_state, specs), lax.pmean(value, "data")
+
+    params = rr.parallel.replicated(params, mesh)
+    losses = []
+    for t in range(10):
+        batch = rr.parallel.shard_batch(_batch(t % 2, W * 4), mesh)
+        params, opt_state, value = step(params, opt_state, batch)
+        losses.append(float(value))
+    assert losses[-1] < losses[0]
+    (ef,) = rr.exchange.exchange_states(opt_state)
+    assert set(ef.residuals) == {"hidden/kernel/value", "out/kernel/value"}  # NNX paths
+    hidden = ef.residuals["hidden/kernel/value"]
+    assert isinstance(hidden, rr.residual_stores.BlockResidual)  # 2-D: 32 rows x 16 cols
+    assert hidden.values.shape == (W, 16, 32)
+    assert ef.residuals["out/kernel/value"].shape == (W, 64, 24)
