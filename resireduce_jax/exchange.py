@@ -377,6 +377,15 @@ class _Exchange:
         units = plan.layout.units
         leaves, treedef = jax.tree.flatten(updates)
         cstates = treedef.flatten_up_to(state.compressor_state)
+        # Units that are whole leaves (a shard of their node's mean where the store is
+        # sharded); the slices of layer stacks are exchanged together, stack by stack.
+        arrays = {
+            i: leaves[u.leaf]
+            if plan.store_shard(i) is None
+            else _node_mean_shard(plan.store_shard(i), leaves[u.leaf])
+            for i, u in enumerate(units)
+            if u.index is None
+        }
         step = _Step(
             exchange=self,
             plan=plan,
@@ -389,17 +398,7 @@ class _Exchange:
             payload_axes=self.axis_name if local_size > 1 else self.worker_axes,
             zero_stores=self._zero_stores(density_phase),
         )
-        # Units that are whole leaves (a shard of their node's mean where the store is
-        # sharded); the slices of layer stacks are exchanged together, stack by stack.
-        arrays = {
-            i: leaves[u.leaf]
-            if plan.store_shard(i) is None
-            else _node_mean_shard(plan.store_shard(i), leaves[u.leaf])
-            for i, u in enumerate(units)
-            if u.index is None
-        }
         sent, residuals, partial_sums = _stacks_pass(step, leaves, cstates, state.residuals)
-        late: dict[str, jax.Array] = {}  # shared groups' residuals, kept on a skip below
         if self.selection_scope == "global" and plan.stores:
             means, kept = _global_pass(step, arrays, state.residuals)
             sent.update({j: _Sent(mean, cstates[j]) for j, mean in means.items()})
@@ -408,9 +407,8 @@ class _Exchange:
             leaf = _leaf_pass(step, arrays, cstates, state.residuals, partial_sums)
             sent.update(leaf.sent)
             residuals.update(leaf.residuals)
-            late = leaf.late
-        for label, residual in late.items():
-            residuals[label] = _where_skip(skip, state.residuals[label], residual)
+            for label, residual in leaf.late.items():  # shared groups keep theirs on a skip
+                residuals[label] = _where_skip(skip, state.residuals[label], residual)
         for i in plan.dense:  # small leaves: plain all-reduce, no residual
             if units[i].index is None:
                 mean = dense_mean(arrays[i], self.worker_axes)
