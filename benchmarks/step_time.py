@@ -130,7 +130,8 @@ def _batch(model_config, rows: int, seq_len: int, seed: int):
 
 class Runner:
     """The initialized state and jitted step of ``task`` trained with ``config`` on
-    ``NUM_WORKERS`` CPU workers, on one synthetic batch; ``run(n)`` times ``n`` steps.
+    ``num_workers`` workers (default ``NUM_WORKERS`` CPU workers), on one synthetic batch;
+    ``run(n)`` times ``n`` steps.
 
     ``guard``: the default non-finite guard, or none. ``options``: arguments of the step
     (``data_parallel_step``'s ``weight_update_order``, ``backward_order``).
@@ -145,16 +146,17 @@ class Runner:
         *,
         guard: bool = True,
         options: dict[str, str] | None = None,
+        num_workers: int = NUM_WORKERS,
     ):
         import jax
 
         import resireduce_jax as rr
         from train import compiled_step
 
-        mesh = compiled_step.build_mesh(config, NUM_WORKERS)  # flat, or nodes x local
+        mesh = compiled_step.build_mesh(config, num_workers)  # flat, or nodes x local
         tx = compiled_step.build_train_tx(config, 100.0, 10_000, guard=guard)
         self.step = compiled_step.build_step(task, tx, mesh, **(options or {}))
-        batch = _batch(task.model_config, NUM_WORKERS * batch_per_worker, seq_len, seed=0)
+        batch = _batch(task.model_config, num_workers * batch_per_worker, seq_len, seed=0)
         per_worker = {k: v[:batch_per_worker] for k, v in batch.items()}
         variables = dict(jax.jit(task.init)(jax.random.PRNGKey(0), per_worker))
         params = variables.pop("params")
@@ -173,14 +175,23 @@ class Runner:
         guard: bool,
         config=None,
         options: dict[str, str] | None = None,
+        num_workers: int = NUM_WORKERS,
     ) -> Runner:
         """A case's model with residual ``variant`` (``config``: the case's config with
-        other settings, default ``case.load()``)."""
+        other settings, default ``case.load()``) on ``num_workers`` workers."""
         from train import compiled_step
 
         config = compiled_step.with_variant(config or case.load(), variant)
         task = compiled_step.build_task(config)
-        return cls(task, config, case.batch_per_worker, case.seq_len, guard=guard, options=options)
+        return cls(
+            task,
+            config,
+            case.batch_per_worker,
+            case.seq_len,
+            guard=guard,
+            options=options,
+            num_workers=num_workers,
+        )
 
     def run(self, steps: int) -> float:
         import jax
