@@ -424,6 +424,39 @@ def test_temp_packing_counts_the_most_temp_bytes_alive_at_once(tmp_path):
     assert peak_memory.temp_packing(str(tmp_path)) == {"allocation": 300, "most_alive": 200}
 
 
+def test_gpu_check_refuses_cpu_and_runs_every_section_with_allow_cpu(tmp_path, capsys, monkeypatch):
+    """On CPU: exit status 2 and the one-line message; with ``--allow-cpu`` (tiny sizes, one
+    worker, a child process per variant's memory) every section, positive times."""
+    import math
+
+    import gpu_check
+
+    monkeypatch.delenv(gpu_check.PREALLOCATE, raising=False)  # main() sets it; undone here
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == gpu_check.REFUSAL
+
+    gpu_check.main(["--allow-cpu", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "gpu_check.json").read_text())
+    variants = ["dense", "ef", "w+2d"]  # the config's variant is w+2d
+    assert [r["variant"] for r in payload["step_time"]] == variants
+    assert all(t > 0 for r in payload["step_time"] for t in r["seconds_per_step"])
+    assert all(math.isfinite(r["final_loss"]) for r in payload["step_time"])
+    assert [r["variant"] for r in payload["memory"]] == variants
+    for row in payload["memory"]:  # the CPU client keeps no memory_stats()
+        assert row["compiled_peak"] > 0 and row["ratio"] is None and row["note"]
+    assert [r["method"] for r in payload["topk"]] == ["topk", "fast_topk", "lax.top_k"]
+    assert all(r["median"] > 0 and r["recall"] > 0.9 for r in payload["topk"])
+    page = (tmp_path / "gpu_check.md").read_text()
+    for heading in ("## Step time", "## Memory", "## Top-k", payload["meta"]["jax"]):
+        assert heading in page
+    # Where the backend has memory_stats(), the ratio is the measured peak over the compiled.
+    stats = {"bytes_in_use": 10, "peak_bytes_in_use": 30, "bytes_limit": 100}
+    row = gpu_check.memory_row("ef", {"peak": 20}, stats, {**stats, "peak_bytes_in_use": 50})
+    assert math.isfinite(row["ratio"]) and row["ratio"] == 2.5 and row["note"] is None
+
+
 RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
     ("step_time", [], "step_time.md"),
     ("step_time", ["--backward-order"], "step_time_backward.md"),
