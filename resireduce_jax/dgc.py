@@ -291,7 +291,8 @@ def dgc_memory(
 ) -> optax.GradientTransformationExtraArgs:
     """DGC's memory as the first transform of an optax chain (Lin et al., ICLR 2018, §3).
 
-    Per worker and compressed leaf (module docstring for the paper's reasoning)::
+    Per worker and compressed leaf (the paper's reasoning: docs/design.md, "DGC's memory
+    (dgc.py)")::
 
         g <- g * min(1, (clip_norm / sqrt(N)) / ||g||)   # §3.2 local clipping (all leaves)
         u <- momentum * u + g                            # §3.2 momentum correction

@@ -234,7 +234,7 @@ def resolve(params: PyTree, grouping: Grouping, min_size: int) -> list[Group]:
     Args:
       params: the params (or updates, or ``ShapeDtypeStruct``s): only shapes and dtypes
         are read.
-      grouping: labels pytree or callable (see module docstring).
+      grouping: labels pytree or callable (docs/design.md, "Groupings (grouping.py)").
       min_size: leaves with fewer elements or ``ndim <= 1`` are not compressed and belong
         to no group.
 

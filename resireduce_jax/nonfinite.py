@@ -216,7 +216,8 @@ def skip_nonfinite(
         worker's gradient holds a NaN/Inf, decided after the backward pass, every state
         (residuals included) bit-identical to a run without that step; keeps all
         gradients alive until the decision. ``"lean"``: the strict decision, with the
-        gradients sanitized and streamed through the exchange (see the module docstring).
+        gradients sanitized and streamed through the exchange (docs/design.md, "The guard's modes
+        (nonfinite.py)").
         Without ``loss_ok``, ``"loss"`` decides like ``"strict"``.
       guard_optimizer_state: keep the state of transforms that are not skip-aware
         (optax's optimizers) unchanged on a skipped step too, by a final select that

@@ -66,7 +66,8 @@ def cpu_flags(
       memory_scheduler: schedule HLO for low memory instead of concurrency (an
         ``xla_cpu_*`` flag: no effect on other backends).
       keep_remat_barriers: keep optimization barriers, ``jax.checkpoint``'s among them
-        (needed for remat on CPU; harmless elsewhere, see the module docstring).
+        (needed for remat on CPU; harmless elsewhere, docs/design.md, "XLA flags for CPU runs
+        (runtime.py)").
       analysis_only: the process compiles programs only to measure them
         (:func:`analysis_flags`); never set it for a process that trains.
 

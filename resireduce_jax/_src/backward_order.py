@@ -161,8 +161,8 @@ def _outermost(
 
 
 def ties(jaxpr: jex_core.Jaxpr, grad_positions: Sequence[int]) -> list[Tie]:
-    """The orderings :func:`streamed` adds to ``jaxpr`` itself (see the module docstring;
-    those inside call bodies are not listed).
+    """The orderings :func:`streamed` adds to ``jaxpr`` itself (docs/design.md, "Streaming the
+    backward pass"; those inside call bodies are not listed).
 
     Args:
       jaxpr: the gradient computation; its outvars include the gradients.
@@ -261,7 +261,8 @@ def _rewrite(flow: _Dataflow, found: list[Tie], grad_bits: int) -> tuple[jex_cor
 def streamed(
     closed: jex_core.ClosedJaxpr, grad_positions: Sequence[int]
 ) -> tuple[jex_core.ClosedJaxpr, int]:
-    """``closed`` with the backward pass ordered to stream (see the module docstring).
+    """``closed`` with the backward pass ordered to stream (docs/design.md, "Streaming the backward
+    pass").
 
     Args:
       closed: the traced gradient computation.

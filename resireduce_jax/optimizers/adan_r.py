@@ -193,12 +193,11 @@ def adan_r(
             # The new previous gradient is the incoming one, written after the n update (the
             # old one's other reader: + min(n_new, 0) is 0 unless n_new is NaN) and read by
             # everything after it, so that XLA forms it at once in the old one's buffer
-            # (module docstring). On a skipped step the old one is kept and the step goes on
-            # with it (its states are kept, its update is zero): selected after the update
-            # instead, for the returned state only, that select is left for the end of a
-            # train step, holding every exchanged gradient until then (up to +16 % of the
-            # unguarded compiled peak on the conv stack and the wide MLP of
-            # benchmarks/guard_cost.py).
+            # (docs/design.md, "Adan-R's update and buffers"). On a skipped step the old one
+            # is kept and the step goes on with it (its states are kept, its update is
+            # zero): selected after the update instead, for the returned state only, that
+            # select is left for the end of a train step, holding every exchanged gradient
+            # until then (benchmarks/results/guard_cost.md).
             new_prev = grad + jnp.minimum(n_new, 0).astype(grad.dtype)
             if skip is not None:
                 new_prev = jnp.where(skip, prev_raw, new_prev)
