@@ -399,6 +399,11 @@ def compressed_momentum_sgd(
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is a
       :class:`CompressedMomentumState` (``nu`` empty).
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed", ICML 2021 (https://arxiv.org/abs/2102.02888), whose error-
+      compensated momentum exchange this is without Adam's second moment.
     """
     check_hyperparameters(learning_rate, weight_decay, betas={"momentum": momentum})
     _check_exchange(exchange)

@@ -382,6 +382,10 @@ def checkpoint_chain(
     Raises:
       ValueError: if the budget is below the smallest compiled peak reachable; the message
         states the minimum.
+
+    References:
+      Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep
+      neural networks with limited memory", ACM TOMS 2024 (https://arxiv.org/abs/1911.13214).
     """
     planner = ChainPlanner(stages, params, x, loss=loss, slots=slots, time=time)
     choice = planner.select(budget_bytes, search=search)

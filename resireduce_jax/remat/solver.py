@@ -534,6 +534,10 @@ def solve(costs: ChainCosts, memory_bytes: float, slots: int = 500) -> Solution:
 
     Raises:
       ValueError: if no plan fits; the message states the smallest budget that does.
+
+    References:
+      Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep
+      neural networks with limited memory", ACM TOMS 2024 (https://arxiv.org/abs/1911.13214).
     """
     n = costs.num_stages
     unwrapped = Plan.unwrapped(n)
