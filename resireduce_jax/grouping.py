@@ -124,8 +124,8 @@ def regex(
 
     Example (GPT-2: each weight role across three consecutive layers)::
 
-        regex([(r"^h_(\d+)/(attn|mlp)/(\w+)/kernel$", r"/")])   # then split by layer:
-        regex({r"^h_([0-2])/(.*)": r"h0-2/", r"^h_([3-5])/(.*)": r"h3-5/"})
+        regex([(r"^h_(\d+)/(attn|mlp)/(\w+)/kernel$", r"\2/\3")])   # then split by layer:
+        regex({r"^h_([0-2])/(.*)": r"h0-2/\2", r"^h_([3-5])/(.*)": r"h3-5/\2"})
 
     Args:
       rules: an ordered mapping or a sequence of ``(pattern, template)`` pairs.
