@@ -92,7 +92,7 @@ def get_dataset(config: Any, *, seed: int) -> Dataset:
 
     Args:
       config: ``ml_collections.ConfigDict`` (or mapping) with ``name``, optional
-        ``data_dir`` and the dataset's fields (see the module docstring).
+        ``data_dir`` and the dataset's fields (docs/design.md, "Datasets and their fields").
       seed: non-negative int; fixes the training order and augmentation.
 
     Returns:

@@ -629,9 +629,9 @@ class StepCompiler:
         A configuration fits when its step fits in every density phase
         (:meth:`over_phases`, compiled where the last phase fits), or with
         ``every_phase=False`` when its last phase does (nothing else compiled). For ``rotor``: no
-        checkpointing if that fits; otherwise the search of the module docstring over the
-        chain's plans (a plan whose warm-up phase does not fit counts as not fitting, so
-        the search goes on to more checkpoints).
+        checkpointing if that fits; otherwise the search over the chain's plans (docs/design.md,
+        "The program's memory planner"; a plan whose warm-up phase does not fit counts as
+        not fitting, so the search goes on to more checkpoints).
         """
         if not candidate.adaptive:
             return self._fitting(

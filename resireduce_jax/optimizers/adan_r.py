@@ -202,9 +202,9 @@ def adan_r(
             if skip is not None:
                 new_prev = jnp.where(skip, prev_raw, new_prev)
             g = clipped(new_prev, scale)
-            # The new state takes over buffers in the order n -> m -> w (see the module
-            # docstring): adding min(n_new, 0) makes the m update read n_new, so it runs
-            # after the n update; likewise w after m.
+            # The new state takes over buffers in the order n -> m -> w (docs/design.md,
+            # "Adan-R's update and buffers"): adding min(n_new, 0) makes the m update read
+            # n_new, so it runs after the n update; likewise w after m.
             m_new = kept(b1 * (m + jnp.minimum(n_new, 0)) + (1 - b1) * g, m)
             w_carry = w + jnp.minimum(jnp.abs(m_new), 0)
             w_new = kept(b2 * jnp.where(first, zero, w_carry + (1 - b2) * g) - (1 - b2) * g, w)

@@ -49,7 +49,7 @@ WIKITEXT_HELP = (
 
 
 class LanguageModelingDataset(Dataset):
-    """Windows of a training and an evaluation token stream (see the module docstring).
+    """Windows of a training and an evaluation token stream (design.md, "Language-model windows").
 
     Args:
       train_tokens: 1-D integer token stream of the training split (may be a memmap).

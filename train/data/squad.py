@@ -226,7 +226,7 @@ def build_features(
     drop_unanswerable: bool,
     batch_examples: int = 1024,
 ) -> dict[str, np.ndarray]:
-    """Turns examples into fixed-length features (see the module docstring).
+    """Turns examples into fixed-length features (docs/design.md, "SQuAD features").
 
     Args:
       examples: the examples, in order; their position is their ``example_index``.
