@@ -1,0 +1,372 @@
+"""How an error-feedback residual is kept: a float cast, or block-scaled low-bit codes.
+
+A :class:`ResidualFormat` encodes a leaf-shaped residual into what a store keeps and decodes
+it back. :class:`FloatFormat` is a plain cast (``residual_dtype=``); :class:`BlockFormat`
+keeps int8, float8 (e4m3fn) or packed int4 codes with one float32 scale per block of the
+flattened leaf, as block-wise quantized optimizer states do:
+
+- Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022,
+  https://arxiv.org/abs/2110.02861 (256-element blocks, an absmax per block);
+- Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023,
+  https://arxiv.org/abs/2309.01507 (4-bit states, blocks of 128);
+- Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space Overhead and
+  Provable Convergence", NeurIPS 2024, https://arxiv.org/abs/2405.15593 (4-bit error
+  feedback with per-block statistics).
+
+Layout, scale rule, rounding and the int4 choice: docs/design.md, "Residual formats
+(residual_formats.py)".
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from resireduce_jax._src import in_place
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZES",
+    "BlockFormat",
+    "FloatFormat",
+    "Quantized",
+    "ResidualFormat",
+    "parse_format",
+]
+
+Codes = Literal["int8", "float8", "int4"]
+Rounding = Literal["nearest", "stochastic"]
+
+DEFAULT_BLOCK_SIZES: dict[str, int] = {"int8": 256, "float8": 256, "int4": 128}
+"""Elements per scale: bitsandbytes' 256 for int8 and float8, Li et al.'s 128 for int4."""
+
+_CODE_MAX = {
+    "int8": 127.0,
+    "float8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max),
+    "int4": 7.0,
+}
+_CODE_DTYPE = {"int8": jnp.int8, "float8": jnp.float8_e4m3fn, "int4": jnp.uint8}
+
+
+class Quantized(NamedTuple):
+    """A leaf kept as block codes: ``codes`` ``[blocks, block_size]`` (int4: two codes a
+    byte, ``[blocks, block_size // 2]`` uint8) and ``scales`` ``[blocks]`` float32."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+class ResidualFormat(abc.ABC):
+    """How a residual leaf is kept: ``encode`` to the stored pytree, ``decode`` back."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """A short name; :func:`parse_format` of it gives this format back."""
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether :meth:`encode` needs a key (stochastic rounding)."""
+        return False
+
+    @abc.abstractmethod
+    def stored_like(self, shape: tuple[int, ...]) -> Any:
+        """The stored pytree of a leaf of ``shape``, as ``jax.ShapeDtypeStruct`` leaves."""
+
+    @abc.abstractmethod
+    def encode(self, x: jax.Array, key: jax.Array | None = None) -> Any:
+        """``x`` as kept (``key``: the stochastic rounding's ``jax.random`` key)."""
+
+    @abc.abstractmethod
+    def decode(self, stored: Any, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        """The kept values of a leaf of ``shape`` back as ``dtype``."""
+
+    @abc.abstractmethod
+    def add_decoded(self, g: jax.Array, stored: Any) -> jax.Array:
+        """``g + decode(stored, g.shape, g.dtype)``, written over ``g``'s buffer block by
+        block (``g`` must not be read afterwards): no leaf-sized decoded copy is formed."""
+
+    def init(self, shape: tuple[int, ...], dtype: Any = None) -> Any:
+        """The stored zero residual of a leaf of ``shape`` (``dtype``: the leaf's, unused:
+        the stored dtypes are the format's)."""
+        del dtype
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.stored_like(shape))
+
+    def stored_bytes(self, shape: tuple[int, ...]) -> int:
+        """Exact bytes kept for a leaf of ``shape`` (codes, scales and padding)."""
+        return sum(
+            math.prod(s.shape) * np.dtype(s.dtype).itemsize
+            for s in jax.tree.leaves(self.stored_like(shape))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatFormat(ResidualFormat):
+    """The residual cast to a floating ``dtype`` (nearest) and back: ``"float32"``,
+    ``"bfloat16"``, ...; ``"float8_e4m3fn"`` is the legacy unscaled cast (values beyond
+    448 overflow, small ones flush: prefer ``BlockFormat("float8")``)."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"FloatFormat.dtype must be a floating dtype, got {self.dtype!r}."
+            ) from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"FloatFormat.dtype must be a floating dtype, got {self.dtype!r}.")
+        object.__setattr__(self, "dtype", dtype.name)
+
+    @property
+    def name(self) -> str:
+        return self.dtype
+
+    def stored_like(self, shape):
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(self.dtype))
+
+    def encode(self, x, key=None):
+        del key
+        return jnp.asarray(x).astype(self.dtype)
+
+    def decode(self, stored, shape, dtype=jnp.float32):
+        return jnp.asarray(stored).reshape(shape).astype(dtype)
+
+    def add_decoded(self, g, stored):
+        return in_place.add_into(g, stored.reshape(g.shape))
+
+
+def _num_blocks(size: int, block_size: int) -> int:
+    return -(-size // block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat(ResidualFormat):
+    """Block-scaled codes: the flattened leaf, zero-padded to whole blocks of
+    ``block_size``, with one float32 scale per block (:class:`Quantized`).
+
+    ``codes``: ``"int8"`` (symmetric, ``[-127, 127]``, scale ``absmax / 127``),
+    ``"float8"`` (e4m3fn codes of ``x / scale``, scale ``absmax / 448``) or ``"int4"``
+    (symmetric, ``[-7, 7]``, scale ``absmax / 7``, two codes a byte). int4 is symmetric
+    rather than min/scale: at equal bytes per element a per-block minimum barely lowers the
+    reconstruction error of gradients and top-k residuals, while the symmetric code keeps
+    every zero exact (the coordinates just sent, dead units, padding) with one float a block.
+
+    A block of zeros has scale 0 and decodes to exact zeros. ``rounding="stochastic"``
+    rounds ``x / scale`` down or up to a neighbouring code with the probabilities that make
+    it unbiased (int8, int4: ``floor(x / scale + u)``, ``u ~ U[0, 1)``; float8: between the
+    two neighbouring e4m3fn values); :meth:`encode` then needs a key. Inputs must be finite.
+    """
+
+    codes: Codes = "int8"
+    block_size: int | None = None
+    rounding: Rounding = "nearest"
+
+    def __post_init__(self):
+        if self.codes not in _CODE_MAX:
+            raise ValueError(
+                f"BlockFormat.codes must be one of {sorted(_CODE_MAX)}, got {self.codes!r}."
+            )
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(
+                f"BlockFormat.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}."
+            )
+        size = DEFAULT_BLOCK_SIZES[self.codes] if self.block_size is None else self.block_size
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(
+                f"BlockFormat.block_size must be a positive int, got {self.block_size!r} "
+                f"(default for {self.codes}: {DEFAULT_BLOCK_SIZES[self.codes]})."
+            )
+        if self.codes == "int4" and size % 2:
+            raise ValueError(
+                f"int4 packs two codes a byte: block_size must be a positive multiple of 2, "
+                f"got {size} (use {size + 1}, or the default {DEFAULT_BLOCK_SIZES['int4']})."
+            )
+        object.__setattr__(self, "block_size", int(size))
+
+    @property
+    def name(self) -> str:
+        return f"{self.codes}/{self.block_size}/{self.rounding}"
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    @property
+    def _code_width(self) -> int:
+        """Stored code entries per block (int4: bytes, two codes each)."""
+        return self.block_size // 2 if self.codes == "int4" else self.block_size
+
+    def stored_like(self, shape):
+        blocks = _num_blocks(math.prod(shape), self.block_size)
+        return Quantized(
+            jax.ShapeDtypeStruct((blocks, self._code_width), np.dtype(_CODE_DTYPE[self.codes])),
+            jax.ShapeDtypeStruct((blocks,), np.dtype(np.float32)),
+        )
+
+    # --------------------------------------------------------------------- encode
+
+    def encode(self, x, key=None):
+        if self.stochastic and key is None:
+            raise ValueError(
+                f"BlockFormat({self.codes!r}, rounding='stochastic') needs a jax.random key: "
+                "encode(x, key)."
+            )
+        x = jnp.asarray(x)
+        size = x.size
+        blocks = _num_blocks(size, self.block_size)
+        flat = x.reshape(-1).astype(jnp.float32)
+        flat = jnp.pad(flat, (0, blocks * self.block_size - size))
+        b = flat.reshape(blocks, self.block_size)
+        code_max = _CODE_MAX[self.codes]
+        scales = jnp.max(jnp.abs(b), axis=1) / code_max
+        safe = jnp.where(scales > 0, scales, 1.0)  # a zero block: y = 0, codes 0, scale 0
+        y = jnp.clip(b / safe[:, None], -code_max, code_max)
+        u = jax.random.uniform(key, b.shape, jnp.float32) if self.stochastic else None
+        if self.codes == "float8":
+            codes = _float8_round(y, u)
+        else:
+            q = jnp.round(y) if u is None else jnp.floor(y + u)
+            q = jnp.clip(q, -code_max, code_max).astype(jnp.int8)
+            codes = q if self.codes == "int8" else _pack_int4(q)
+        return Quantized(codes, scales)
+
+    # --------------------------------------------------------------------- decode
+
+    def _block_values(self, codes: jax.Array, scales: jax.Array) -> jax.Array:
+        """float32 values of blocks ``[n, code_width]`` codes with ``[n]`` scales."""
+        q = _unpack_int4(codes) if self.codes == "int4" else codes
+        return q.astype(jnp.float32) * scales[:, None]
+
+    def decode(self, stored, shape, dtype=jnp.float32):
+        size = math.prod(shape)
+        values = self._block_values(stored.codes, stored.scales).reshape(-1)
+        return values[:size].reshape(shape).astype(dtype)
+
+    def add_decoded(self, g, stored):
+        size = g.size
+        if size == 0:
+            return g
+        bs = self.block_size
+        blocks = stored.codes.shape[0]
+        codes, scales = stored
+
+        def code_bytes(varying):
+            if self.codes != "float8":
+                return codes
+            # Made loop-variant, so that the bitcast is not hoisted out as a copy of the codes.
+            varying_codes, _ = lax.optimization_barrier((codes, varying))
+            return lax.bitcast_convert_type(varying_codes, jnp.uint8)
+
+        def add(block, row0):
+            n = block.size  # static: the block's rows are a contiguous run of g.ravel()
+            first = row0 * block.shape[1]  # flat index of the block's first element
+            count = min(blocks, -(-(n + bs - 1) // bs))  # code blocks that cover it
+            start = jnp.clip(first // bs, 0, blocks - count)
+            # Codes are sliced as bytes: XLA:CPU would widen a whole float8 operand first.
+            part_codes = lax.dynamic_slice_in_dim(code_bytes(start), start, count, 0)
+            if self.codes == "float8":
+                part_codes = lax.bitcast_convert_type(part_codes, jnp.float8_e4m3fn)
+            part = self._block_values(
+                part_codes, lax.dynamic_slice_in_dim(scales, start, count, 0)
+            ).reshape(-1)
+            part = lax.dynamic_slice_in_dim(part, first - start * bs, n, 0)
+            # The barrier keeps the decoded block exact (no multiply-add fused into one FMA).
+            part = lax.optimization_barrier(part.reshape(block.shape).astype(block.dtype))
+            return block + part
+
+        return in_place.map_blocks(g, add)
+
+
+def _float8_round(y: jax.Array, u: jax.Array | None) -> jax.Array:
+    """``y`` (``|y| <= 448``) as e4m3fn: nearest, or with ``u`` stochastically between the
+    two neighbouring e4m3fn values (the upper one with probability ``(|y| - lo) / (hi - lo)``)."""
+    nearest = y.astype(jnp.float8_e4m3fn)
+    if u is None:
+        return nearest
+    a = jnp.abs(y)
+    bits = lax.bitcast_convert_type(nearest, jnp.uint8) & 0x7F  # magnitude bits: monotonic
+    above = jnp.abs(nearest.astype(jnp.float32)) > a
+    lo_bits = jnp.where(above, bits - 1, bits)
+    hi_bits = jnp.where(above, bits, jnp.minimum(bits + 1, 0x7E))  # 0x7E: 448, 0x7F: NaN
+
+    def value(b):
+        return lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32)
+
+    lo, hi = value(lo_bits), value(hi_bits)
+    gap = hi - lo
+    p = jnp.where(gap > 0, (a - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
+    magnitude = jnp.where(u < p, hi_bits, lo_bits)
+    sign = jnp.where(jnp.signbit(y) & (magnitude > 0), jnp.uint8(0x80), jnp.uint8(0))
+    return lax.bitcast_convert_type(magnitude | sign, jnp.float8_e4m3fn)
+
+
+def _pack_int4(q: jax.Array) -> jax.Array:
+    """int8 codes in ``[-7, 7]``, ``[n, 2m]``, as ``[n, m]`` uint8: element ``2i`` in the
+    low nibble, ``2i + 1`` in the high one, each as 4-bit two's complement."""
+    nibbles = lax.bitcast_convert_type(q, jnp.uint8) & 0x0F
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def _unpack_int4(packed: jax.Array) -> jax.Array:
+    """:func:`_pack_int4` inverted: ``[n, m]`` uint8 to ``[n, 2m]`` int8 codes."""
+    signed = lax.bitcast_convert_type(packed, jnp.int8)
+    low = jnp.right_shift(jnp.left_shift(signed, 4), 4)  # arithmetic shifts sign-extend
+    high = jnp.right_shift(signed, 4)
+    return jnp.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
+
+
+_FLOAT_NAMES = ("float32", "bfloat16", "float8_e4m3fn")
+
+
+def parse_format(value: Any) -> ResidualFormat:
+    """A :class:`ResidualFormat` from a format, a name or a floating dtype.
+
+    Names: ``"float32"``, ``"bfloat16"`` (and other floating dtype names, ``"float8_e4m3fn"``
+    the legacy unscaled cast) give a :class:`FloatFormat`; ``"int8"``, ``"float8"``,
+    ``"int4"`` a :class:`BlockFormat` with the default block size, nearest rounding, and
+    ``"int4/64/stochastic"`` (a :attr:`BlockFormat.name`) one with both given. A dtype
+    (``jnp.bfloat16``, ``np.float32``, ...) gives its :class:`FloatFormat`: ``residual_dtype=``.
+    """
+    if isinstance(value, ResidualFormat):
+        return value
+    accepted = (
+        "a ResidualFormat, one of 'float32', 'bfloat16', 'int8', 'float8', 'int4', "
+        "'float8_e4m3fn' (legacy unscaled cast), '<int8|float8|int4>/<block_size>[/<rounding>]', "
+        "or a floating dtype such as jnp.bfloat16"
+    )
+    if isinstance(value, str):
+        parts = value.split("/")
+        if parts[0] in _CODE_MAX and len(parts) <= 3:
+            block = None
+            if len(parts) > 1:
+                if not parts[1].isdigit():
+                    raise ValueError(
+                        f"Bad block size in residual format {value!r}; expected {accepted}."
+                    )
+                block = int(parts[1])
+            rounding = parts[2] if len(parts) > 2 else "nearest"
+            return BlockFormat(parts[0], block, rounding)
+        if len(parts) == 1:
+            try:
+                dtype = jnp.dtype(value)
+            except (TypeError, ValueError):
+                dtype = None
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                return FloatFormat(dtype.name)
+        raise ValueError(f"Unknown residual format {value!r}; expected {accepted}.")
+    try:
+        dtype = None if value is None else jnp.dtype(value)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return FloatFormat(dtype.name)
+    raise ValueError(f"Unknown residual format {value!r}; expected {accepted}.")

@@ -1,0 +1,384 @@
+"""Residual formats (``resireduce_jax.residual_formats``): round-trip bounds against numpy
+references, exact zeros, exact byte counts, the block-wise add, int4 packing, unbiased
+stochastic rounding, jit/vmap, and parsing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from resireduce_jax._src import in_place
+from resireduce_jax.residual_formats import (
+    DEFAULT_BLOCK_SIZES,
+    BlockFormat,
+    FloatFormat,
+    Quantized,
+    parse_format,
+)
+
+SHAPES = [(97, 129), (4099,), (3, 5, 7, 11), (1, 300), (300, 1), (), (256,)]
+CODE_MAX = {"int8": 127.0, "float8": 448.0, "int4": 7.0}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """``map_blocks`` in blocks of about 1 KiB: block edges fall inside quantization blocks."""
+    monkeypatch.setattr(in_place, "BLOCK_BYTES", 1024)
+
+
+def _data(shape, seed=0) -> np.ndarray:
+    """Heavy-tailed values with a wide range of magnitudes."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_t(3, size=shape) * rng.lognormal(0, 2, size=shape)).astype(np.float32)
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """numpy reference layout: flattened, zero-padded, ``[blocks, block]``."""
+    flat = x.reshape(-1).astype(np.float32)
+    nb = -(-flat.size // block)
+    return np.pad(flat, (0, nb * block - flat.size)).reshape(nb, block)
+
+
+def _ref_scales(x: np.ndarray, codes: str, block: int) -> np.ndarray:
+    return (np.abs(_blocks(x, block)).max(axis=1) / np.float32(CODE_MAX[codes])).astype(np.float32)
+
+
+def _per_element(v: np.ndarray, shape, block: int) -> np.ndarray:
+    """A per-block value broadcast to the leaf's elements."""
+    size = int(np.prod(shape))
+    return np.repeat(v, block)[:size].reshape(shape)
+
+
+# ------------------------------------------------------------------ round trip bounds
+
+
+@pytest.mark.parametrize("codes", ["int8", "int4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nearest_integer_codes_within_half_a_step(codes, shape):
+    fmt = BlockFormat(codes)
+    x = _data(shape)
+    stored = fmt.encode(jnp.asarray(x))
+    scales = _ref_scales(x, codes, fmt.block_size)
+    np.testing.assert_allclose(np.asarray(stored.scales), scales, rtol=1e-6)  # XLA: x * (1/c)
+    y = np.asarray(fmt.decode(stored, shape, jnp.float32))
+    assert y.shape == x.shape and y.dtype == np.float32
+    step = _per_element(scales, shape, fmt.block_size)
+    err = np.abs(x - y)
+    assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-30), float(np.max(err / step))
+    # nearest is nearest: the numpy reference codes, exactly
+    ref_codes = np.clip(
+        np.round(_blocks(x, fmt.block_size) / np.where(scales > 0, scales, 1)[:, None]),
+        -CODE_MAX[codes],
+        CODE_MAX[codes],
+    )
+    got = np.asarray(stored.codes) if codes == "int8" else _np_unpack(np.asarray(stored.codes))
+    assert np.abs(got - ref_codes).max() <= 1  # ties at .5 may go either way after division
+    assert np.mean(got == ref_codes) > 0.999
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float8_relative_bound(shape):
+    fmt = BlockFormat("float8")
+    x = _data(shape, seed=1)
+    stored = fmt.encode(jnp.asarray(x))
+    assert stored.codes.dtype == jnp.float8_e4m3fn
+    scales = _ref_scales(x, "float8", fmt.block_size)
+    np.testing.assert_allclose(np.asarray(stored.scales), scales, rtol=1e-6)  # XLA: x * (1/c)
+    scale = _per_element(scales, shape, fmt.block_size)
+    y = np.asarray(fmt.decode(stored, shape))
+    # in scaled units: relative error <= 2^-4 (3 mantissa bits), or half the subnormal step 2^-9
+    scaled = np.abs(x) / np.where(scale > 0, scale, 1)
+    bound = np.maximum(scaled * 2.0**-4, 2.0**-10) * scale * (1 + 1e-5)
+    assert np.all(np.abs(x - y) <= bound)
+    # the codes are ml_dtypes' nearest e4m3fn of x / scale
+    ref = (_blocks(x, fmt.block_size) / np.where(scales > 0, scales, 1)[:, None]).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    same = np.asarray(stored.codes).view(np.uint8) == ref.view(np.uint8)
+    assert np.mean(same) > 0.999
+
+
+def test_float_formats_are_casts():
+    x = _data((33, 7))
+    for name in ("float32", "bfloat16", "float8_e4m3fn"):
+        fmt = FloatFormat(name)
+        stored = fmt.encode(jnp.asarray(x))
+        assert stored.dtype == jnp.dtype(name) and stored.shape == x.shape
+        np.testing.assert_array_equal(
+            np.asarray(stored).view(np.uint8), x.astype(jnp.dtype(name)).view(np.uint8)
+        )
+        back = np.asarray(fmt.decode(stored, x.shape, jnp.float32))
+        np.testing.assert_array_equal(back, x.astype(jnp.dtype(name)).astype(np.float32))
+        assert fmt.stored_bytes(x.shape) == stored.nbytes
+        init = fmt.init(x.shape, jnp.float32)
+        assert init.dtype == jnp.dtype(name) and not np.any(np.asarray(init))
+
+
+# ------------------------------------------------------------------ exact zeros
+
+
+@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_zeros_are_exact(codes, rounding):
+    fmt = BlockFormat(codes, 64, rounding)
+    key = jax.random.key(3)
+    zeros = np.zeros((5, 100), np.float32)
+    stored = fmt.encode(jnp.asarray(zeros), key)
+    assert not np.any(np.asarray(stored.scales))
+    back = np.asarray(fmt.decode(stored, zeros.shape))
+    np.testing.assert_array_equal(back.view(np.uint32), zeros.view(np.uint32))  # +0.0, bit for bit
+    # a whole block of zeros inside a nonzero leaf, and the padding of the last block
+    x = _data((5, 100), seed=2)
+    x.reshape(-1)[64:128] = 0  # exactly block 1
+    stored = fmt.encode(jnp.asarray(x), key)
+    assert float(stored.scales[1]) == 0.0
+    back = np.asarray(fmt.decode(stored, x.shape))
+    np.testing.assert_array_equal(back.reshape(-1)[64:128].view(np.uint32), 0)
+    codes_ = np.asarray(stored.codes)
+    tail = 500 % 64  # padding codes of the last block stay zero
+    last = codes_[-1].view(np.uint8)
+    pad = last[tail // 2 :] if codes == "int4" else last[tail:]
+    assert not np.any(pad)
+    # zeros inside a nonzero block are exact for the symmetric codes
+    x2 = _data((256,), seed=4)
+    x2[::3] = 0
+    back2 = np.asarray(fmt.decode(fmt.encode(jnp.asarray(x2), key), x2.shape))
+    np.testing.assert_array_equal(back2[::3], 0)
+    # init is the encoded zero
+    init = fmt.init((5, 100), jnp.float32)
+    ref = fmt.encode(jnp.asarray(zeros), key)
+    for a, b in zip(init, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# ------------------------------------------------------------------ bytes and layout
+
+
+@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+@pytest.mark.parametrize("shape", [*SHAPES, (0,), (2, 0)])
+def test_stored_bytes_are_the_encoded_arrays(codes, shape):
+    for block in (DEFAULT_BLOCK_SIZES[codes], 6, 2):
+        fmt = BlockFormat(codes, block)
+        stored = fmt.encode(jnp.zeros(shape, jnp.float32))
+        assert isinstance(stored, Quantized)
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(stored))
+        assert fmt.stored_bytes(shape) == nbytes
+        size = int(np.prod(shape))
+        blocks = -(-size // block)
+        per_block = block // 2 if codes == "int4" else block
+        assert nbytes == blocks * (per_block + 4)
+        like = fmt.stored_like(shape)
+        assert jax.tree.map(lambda s: (s.shape, s.dtype), like) == jax.tree.map(
+            lambda a: (a.shape, a.dtype), stored
+        )
+
+
+# ------------------------------------------------------------------ the block-wise add
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        BlockFormat("int8"),
+        BlockFormat("float8"),
+        BlockFormat("int4"),
+        BlockFormat("int8", 7),
+        BlockFormat("int4", 10, "stochastic"),
+        FloatFormat("bfloat16"),
+        FloatFormat("float8_e4m3fn"),
+    ],
+    ids=lambda f: f.name,
+)
+@pytest.mark.parametrize("shape", [(97, 129), (4099,), (3, 5, 7, 11), (300, 1)])
+def test_add_decoded_is_g_plus_decode(small_blocks, fmt, shape):
+    x = _data(shape, seed=5) * 1e-2
+    g = np.random.default_rng(6).normal(size=shape).astype(np.float32)
+    stored = fmt.encode(jnp.asarray(x), jax.random.key(0))
+    ref = g + np.asarray(fmt.decode(stored, shape, jnp.float32))
+    for add in (fmt.add_decoded, jax.jit(fmt.add_decoded)):
+        out = add(jnp.asarray(g), stored)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint32), ref.view(np.uint32))
+    g16 = jnp.asarray(g, jnp.bfloat16)
+    out16 = jax.jit(fmt.add_decoded)(g16, stored)
+    assert out16.dtype == jnp.bfloat16 and out16.shape == shape
+    ref16 = np.asarray(g16) + np.asarray(fmt.decode(stored, shape, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(out16).view(np.uint16), ref16.view(np.uint16))
+
+
+@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+def test_add_decoded_has_no_leaf_sized_temporary(codes):
+    fmt = BlockFormat(codes)
+    g = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB
+    compiled = (
+        jax.jit(fmt.add_decoded, donate_argnums=0).lower(g, fmt.stored_like(g.shape)).compile()
+    )
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= in_place.BLOCK_BYTES + 64 * 1024, temp  # one block, not 4 MiB
+
+
+# ------------------------------------------------------------------ int4 packing
+
+
+def _np_unpack(packed: np.ndarray) -> np.ndarray:
+    """numpy reference: low nibble element 2i, high nibble 2i + 1, 4-bit two's complement."""
+    low = (packed & 0x0F).astype(np.int16)
+    high = (packed >> 4).astype(np.int16)
+    low = np.where(low >= 8, low - 16, low)
+    high = np.where(high >= 8, high - 16, high)
+    return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
+
+
+def _np_pack(q: np.ndarray) -> np.ndarray:
+    nib = (q.astype(np.int16) & 0x0F).astype(np.uint8)
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+
+
+def test_int4_packing_matches_numpy():
+    fmt = BlockFormat("int4", 8)
+    x = _data((13, 11), seed=7)
+    stored = fmt.encode(jnp.asarray(x))
+    packed = np.asarray(stored.codes)
+    assert packed.dtype == np.uint8 and packed.shape == (-(-143 // 8), 4)
+    q = _np_unpack(packed)
+    assert q.min() >= -7 and q.max() <= 7
+    np.testing.assert_array_equal(_np_pack(q), packed)
+    scales = np.asarray(stored.scales)
+    ref = (q.astype(np.float32) * scales[:, None]).reshape(-1)[: x.size].reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(fmt.decode(stored, x.shape)), ref)
+    # every code value survives a pack/unpack round trip in both nibbles
+    codes = np.arange(-7, 8, dtype=np.int8)
+    pairs = np.stack(np.meshgrid(codes, codes), -1).reshape(1, -1)
+    stored = Quantized(jnp.asarray(_np_pack(pairs)), jnp.ones((1,), jnp.float32))
+    fmt2 = BlockFormat("int4", pairs.shape[1])
+    np.testing.assert_array_equal(np.asarray(fmt2.decode(stored, (pairs.shape[1],))), pairs[0])
+
+
+# ------------------------------------------------------------------ stochastic rounding
+
+
+@pytest.mark.parametrize("codes", ["int8", "int4", "float8"])
+def test_stochastic_rounding_is_unbiased(codes):
+    fmt = BlockFormat(codes, 32, "stochastic")
+    x = _data((4, 32), seed=8)
+    trials = 2000
+    keys = jax.random.split(jax.random.key(11), trials)
+    decoded = jax.vmap(lambda k: fmt.decode(fmt.encode(jnp.asarray(x), k), x.shape))(keys)
+    decoded = np.asarray(decoded, np.float64)
+    scale = _per_element(_ref_scales(x, codes, 32), x.shape, 32).astype(np.float64)
+    if codes == "float8":  # the gap between the two neighbouring e4m3fn values
+        scaled = np.abs(x) / scale
+        lo = np.asarray(jnp.asarray(scaled, jnp.float32).astype(jnp.float8_e4m3fn), np.float64)
+        gap = np.maximum(np.abs(lo) * 2.0**-3, 2.0**-9)
+        step = gap * scale
+    else:
+        step = scale
+    # each draw is within one step of x; variance <= step^2 / 4: 6 standard errors of the mean
+    assert np.all(np.abs(decoded - x) <= step * (1 + 1e-5))
+    mean = decoded.mean(axis=0)
+    tol = 6 * np.sqrt(step**2 / 4 / trials) + 1e-6 * np.abs(x)
+    assert np.all(np.abs(mean - x) <= tol), float(np.max(np.abs(mean - x) / tol))
+    # nearest rounding of the same values is biased on some elements (the test could fail)
+    nearest = np.asarray(BlockFormat(codes, 32).decode(BlockFormat(codes, 32).encode(x), x.shape))
+    assert np.any(np.abs(nearest - x) > tol)
+
+
+@pytest.mark.parametrize("codes", ["int8", "int4", "float8"])
+def test_stochastic_rounding_depends_on_the_key_only(codes):
+    fmt = BlockFormat(codes, rounding="stochastic")
+    x = jnp.asarray(_data((40, 30), seed=9))
+    a = fmt.encode(x, jax.random.key(1))
+    b = fmt.encode(x, jax.random.key(1))
+    c = fmt.encode(x, jax.random.key(2))
+    bits = lambda s: np.asarray(s.codes).view(np.uint8)
+    np.testing.assert_array_equal(bits(a), bits(b))
+    assert np.any(bits(a) != bits(c))
+    np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(c.scales))
+    with pytest.raises(ValueError, match=r"needs a jax\.random key"):
+        fmt.encode(x)
+    assert fmt.stochastic and not BlockFormat(codes).stochastic
+
+
+# ------------------------------------------------------------------ jit and vmap
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        BlockFormat("int8"),
+        BlockFormat("float8", 64, "stochastic"),
+        BlockFormat("int4", 20, "stochastic"),
+        FloatFormat("bfloat16"),
+    ],
+    ids=lambda f: f.name,
+)
+def test_jit_and_vmap_match_eager(fmt):
+    stack = jnp.asarray(_data((3, 17, 19), seed=10))
+    keys = jax.random.split(jax.random.key(5), 3)
+    eager = [fmt.encode(stack[i], keys[i]) for i in range(3)]
+    mapped = jax.jit(jax.vmap(fmt.encode))(stack, keys)
+    for i in range(3):
+        row = jax.tree.leaves(jax.tree.map(lambda s, i=i: s[i], mapped))
+        for a, b in zip(jax.tree.leaves(eager[i]), row, strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+            )
+    jitted = jax.jit(fmt.encode)(stack[0], keys[0])
+    for a, b in zip(jax.tree.leaves(eager[0]), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    decoded = jax.jit(jax.vmap(lambda s: fmt.decode(s, (17, 19))))(mapped)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            np.asarray(decoded[i]), np.asarray(fmt.decode(eager[i], (17, 19)))
+        )
+    g = jnp.asarray(np.random.default_rng(1).normal(size=(3, 17, 19)), jnp.float32)
+    added = jax.jit(jax.vmap(fmt.add_decoded))(g, mapped)
+    np.testing.assert_array_equal(np.asarray(added), np.asarray(g) + np.asarray(decoded))
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def test_parse_format_accepts():
+    assert parse_format("int8") == BlockFormat("int8", 256, "nearest")
+    assert parse_format("float8") == BlockFormat("float8", 256)
+    assert parse_format("int4") == BlockFormat("int4", 128)
+    assert parse_format("float32") == FloatFormat("float32")
+    assert parse_format("bfloat16") == FloatFormat("bfloat16")
+    assert parse_format("float8_e4m3fn") == FloatFormat("float8_e4m3fn")
+    assert parse_format(jnp.bfloat16) == FloatFormat("bfloat16")
+    assert parse_format(np.float32) == FloatFormat("float32")
+    assert parse_format(jnp.float8_e4m3fn) == FloatFormat("float8_e4m3fn")
+    assert parse_format(np.dtype("float16")) == FloatFormat("float16")
+    fmt = BlockFormat("int4", 64, "stochastic")
+    assert parse_format(fmt) is fmt
+    assert parse_format(fmt.name) == fmt
+    assert parse_format("int8/32") == BlockFormat("int8", 32)
+    assert {parse_format(n).name for n in ("int8", "float32")} == {"int8/256/nearest", "float32"}
+    hash(fmt)  # static arguments of jit
+
+
+@pytest.mark.parametrize(
+    "value", ["int16", "fp8", "", "int8/x", "int8/8/up", "int8/8/nearest/1", None, 3, jnp.int8]
+)
+def test_parse_format_rejects(value):
+    with pytest.raises(ValueError, match=r"expected a ResidualFormat|must be"):
+        parse_format(value)
+
+
+def test_invalid_formats_say_how_to_fix():
+    with pytest.raises(ValueError, match=r"multiple of 2.*use 8"):
+        BlockFormat("int4", 7)
+    with pytest.raises(ValueError, match="positive int"):
+        BlockFormat("int8", 0)
+    with pytest.raises(ValueError, match="positive int"):
+        BlockFormat("int8", 2.5)
+    with pytest.raises(ValueError, match="codes must be one of"):
+        BlockFormat("int2")
+    with pytest.raises(ValueError, match="rounding must be"):
+        BlockFormat("int8", rounding="up")
+    with pytest.raises(ValueError, match="floating dtype"):
+        FloatFormat("int8")
