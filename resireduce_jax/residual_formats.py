@@ -6,7 +6,7 @@ keeps int8, float8 (e4m3fn) or packed int4 codes with one float32 scale per bloc
 flattened leaf, as block-wise quantized optimizer states do:
 
 - Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022,
-  https://arxiv.org/abs/2110.02861 (256-element blocks, an absmax per block);
+  https://arxiv.org/abs/2110.02861 (an absmax per block of the flattened state);
 - Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023,
   https://arxiv.org/abs/2309.01507 (4-bit states, blocks of 128);
 - Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space Overhead and
@@ -45,7 +45,8 @@ Codes = Literal["int8", "float8", "int4"]
 Rounding = Literal["nearest", "stochastic"]
 
 DEFAULT_BLOCK_SIZES: dict[str, int] = {"int8": 256, "float8": 256, "int4": 128}
-"""Elements per scale: bitsandbytes' 256 for int8 and float8, Li et al.'s 128 for int4."""
+"""Elements per scale: 256 for int8 and float8 (finer than Dettmers et al.'s 2048),
+Li et al.'s 128 for int4."""
 
 _CODE_MAX = {
     "int8": 127.0,
