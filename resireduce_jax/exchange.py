@@ -75,6 +75,7 @@ DEFAULT_MIN_SIZE = 10_000
 
 # Distinct stream for the keys of residual row/column sampling (vs. the compressor's keys).
 _SELECTION_STREAM = 0x5E1EC7
+_ROUNDING_STREAM = 0x20A11D  # and of the stochastic rounding of quantized residuals
 
 
 class PhaseStates(NamedTuple):
@@ -165,6 +166,12 @@ def _selection_key(
     key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _SELECTION_STREAM), count)
     key = jax.random.fold_in(key, leaf_index)
     return jax.random.fold_in(key, lax.axis_index(axis_name))  # residuals differ per worker
+
+
+def _rounding_key(seed: int, count, unit: int | jax.Array, axis_name: AxisName) -> jax.Array:
+    """The key of a stored residual's stochastic rounding: per step, unit and worker."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed ^ _ROUNDING_STREAM), count)
+    return jax.random.fold_in(jax.random.fold_in(key, unit), lax.axis_index(axis_name))
 
 
 def _node_mean_shard(shard: stores.Shard, g: jax.Array) -> jax.Array:
@@ -467,9 +474,15 @@ class _Step:
         """``reduce_with(compressor, x, cstate)`` in this step's density phase."""
         return self.exchange._reduce_in_phase(reduce_with, x, cstate, self.static, self.phase)
 
-    def selection_key(self, unit: int | jax.Array, store: stores.StorePlan) -> jax.Array | None:
-        """The key of an intra-layer store's sampled selection for ``unit``."""
+    def selection_key(
+        self, unit: int | jax.Array, store: stores.StorePlan, purpose: str = "selection"
+    ) -> jax.Array | None:
+        """The key of an intra-layer store's sampled selection for ``unit``, or with
+        ``purpose="rounding"`` of its format's stochastic rounding (seed, count, unit and
+        worker folded in, so a resumed run draws the same bits)."""
         exchange = self.exchange
+        if purpose == "rounding":
+            return _rounding_key(exchange.seed, self.count, unit, exchange.worker_axes)
         return _selection_key(exchange.seed, self.count, unit, exchange.worker_axes, store)
 
     def send(self, unit: int, x: jax.Array, cstate: Any, residual_skip: jax.Array | None):
@@ -574,7 +587,8 @@ def _shared_members(step, store, stored, arrays, cstates, partial_sums=()):
         r, sent[j] = step.send(i, compensated, cstates[j], None)
         weight = store.member_weight(r, read)
         acc = stores.WeightedSum.first(r, weight) if acc is None else acc.add(r, weight)
-    return acc.finish(store), sent
+    key = functools.partial(step.selection_key, store.group.members[0], store)
+    return acc.finish(store, key), sent
 
 
 def _global_pass(
@@ -619,7 +633,8 @@ def _global_pass(
     for store in plan.stores:
         label = store.group.label
         if label in sums:
-            kept[label] = _where_skip(skip, residuals[label], sums[label].finish(store))
+            key = functools.partial(step.selection_key, store.group.members[0], store)
+            kept[label] = _where_skip(skip, residuals[label], sums[label].finish(store, key))
     return means, kept
 
 
@@ -745,9 +760,10 @@ def _rebuild_stores(step, stack_plan, r, reads, residuals):
         batch = stack_plan.batches[n]
         if not plan.keeps_residual:
             continue
-        keys = functools.partial(
-            jax.vmap(lambda i, plan=plan: step.selection_key(i, plan)), units[start:stop]
-        )
+
+        def keys(purpose="selection", plan=plan, units=units[start:stop]):
+            return jax.vmap(lambda i: step.selection_key(i, plan, purpose))(units)
+
         stored = residuals.get(batch.label)
         kept[batch.label] = plan.finish_slices(part, reads.get(n), batch, stored, keys, step.skip)
     return kept, partial_sums
@@ -782,14 +798,17 @@ def _compensate_stack(stack_plan: StackPlan, residuals: dict[str, Any], x: jax.A
         len(batches) == 1
         and not stack_plan.pieces
         and batches[0].plan.own_residual
+        and not batches[0].plan.quantized
         and (batches[0].start, batches[0].stop) == (0, x.shape[0])
     ):
         return x + residuals[batches[0].label].astype(x.dtype)
     for batch in batches:
         x = batch.plan.compensate_slices(x, residuals.get(batch.label), batch)
     for plan, start, stop in stack_plan.pieces:
-        stored = residuals[plan.group.label]
-        x = in_place.add_slices(x, stored[None], start, np.zeros(stop - start, np.int32))
+        stored = plan.stacked_values(
+            jax.tree.map(lambda v: v[None], residuals[plan.group.label]), x.dtype
+        )
+        x = in_place.add_slices(x, stored, start, np.zeros(stop - start, np.int32))
     return x
 
 

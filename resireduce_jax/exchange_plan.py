@@ -151,12 +151,17 @@ def dense_bytes(params: PyTree) -> int:
 
 
 def singleton_stores(
-    params: PyTree, min_size: int, kind: str, dtype: Any = None
+    params: PyTree, min_size: int, kind: str, dtype: Any = None, residual_format: Any = None
 ) -> list[stores.StorePlan]:
     """One ``kind`` store (``"none"`` or ``"leaf"``) per compressed leaf, labelled by path,
-    its residual in ``dtype`` (``None``: the leaf's)."""
+    its residual in ``dtype`` (``None``: the leaf's), or as ``residual_format``'s codes."""
     groups = grouping_lib.resolve(params, grouping_lib.each_leaf(), min_size)
     return [
-        stores.StorePlan(group=g, kind=kind, dtype=g.dtype if dtype is None else np.dtype(dtype))
+        stores.StorePlan(
+            group=g,
+            kind=kind,
+            dtype=g.dtype if dtype is None else np.dtype(dtype),
+            format=residual_format,
+        )
         for g in groups
     ]

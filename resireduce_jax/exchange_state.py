@@ -135,7 +135,7 @@ def leaf_residuals(
         if store.shared or (dense_only and not store.own_residual):
             continue
         value = values[store.group.label]
-        if not store.own_residual:
+        if not store.own_residual or store.quantized:
             value = jax.vmap(functools.partial(stores.densify, store))(value)
         out[store.group.paths[0]] = value
     return out
@@ -168,9 +168,17 @@ def _intra(store: stores.StorePlan) -> bool:
 def _store_residual(store: stores.StorePlan, mean: np.ndarray, num_workers: int) -> Any:
     """Every new device's stored residual for the owed ``mean`` (leading device axis)."""
     top = dataclasses.replace(store, selection="top")
+    rounding = jax.random.PRNGKey(0)  # a stochastic format's re-encoding: deterministic
     shard = store.shard
+
+    def keep(x):  # a dense store's values as the store keeps them
+        return store.keep(jnp.asarray(x), lambda _: rounding) if store.quantized else x
+
     if shard is None:
-        kept = stores.compress_residual(top, mean, None) if _intra(store) else mean
+        if _intra(store):
+            kept = stores.compress_residual(top, mean, None, rounding=rounding)
+        else:
+            kept = keep(mean)
         parts = [kept] * num_workers
     else:
         m = np.zeros((shard.rows * shard.count, shard.shape2d[1]), mean.dtype)
@@ -183,7 +191,9 @@ def _store_residual(store: stores.StorePlan, mean: np.ndarray, num_workers: int)
                 local = np.abs(part).sum(axis=1)  # norms of the shard's own axis-0 indices
                 rows, cols = (whole, local) if store.view.row_axis == 1 else (local, whole)
                 norms = stores.DimensionNorms(rows, cols if store.keeps_columns else None)
-                part = stores.compress_residual(top, part, None, norms)
+                part = stores.compress_residual(top, part, None, norms, rounding)
+            else:
+                part = keep(part)
             per_shard.append(part)
         parts = [per_shard[d % shard.count] for d in range(num_workers)]
 
@@ -191,7 +201,7 @@ def _store_residual(store: stores.StorePlan, mean: np.ndarray, num_workers: int)
         x = np.asarray(x)
         return x.astype(store.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    parts = [jax.tree.map(cast, p) for p in parts]
+    parts = [jax.tree.map(cast if not store.quantized else np.asarray, p) for p in parts]
     return jax.tree.map(lambda *xs: np.stack(xs), *parts)
 
 

@@ -24,7 +24,7 @@ from resireduce_jax import residual_stores as stores
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.exchange import DEFAULT_MIN_SIZE, AxisName, ExchangeTransformation, exchange
 from resireduce_jax.layer_stacks import LayerStacks
-from resireduce_jax.transforms import check_compressor, check_min_size, check_residual_dtype
+from resireduce_jax.transforms import check_compressor, check_min_size, residual_storage
 from resireduce_jax.tree_paths import leaf_paths, no_match_hint
 
 PyTree = Any
@@ -90,6 +90,7 @@ def plan_stores(
     weight_source: str = "residual",
     norm_source: str = "residual",
     residual_dtype: Any = None,
+    residual_format: Any = None,
 ) -> list[stores.StorePlan]:
     """Decides, from shapes only, how every group's residual is stored.
 
@@ -113,7 +114,9 @@ def plan_stores(
     plans = []
     for g in groups:
         dtype = np.dtype(residual_dtype) if residual_dtype is not None else g.dtype
-        common = dict(group=g, dtype=dtype, phi=phi, weight_source=weight_source)
+        common = dict(
+            group=g, dtype=dtype, phi=phi, weight_source=weight_source, format=residual_format
+        )
         if len(g.members) > 1:
             plans.append(stores.StorePlan(kind=inter, **common))
         elif wants_intra is not None and wants_intra(g.paths[0], g.shape):
@@ -192,6 +195,7 @@ def resireduce(
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
     selection_scope: Literal["leaf", "global"] = "leaf",
+    residual_format: Any = None,
 ) -> ExchangeTransformation:
     """Compressed gradient averaging with error feedback and reduced residuals.
 
@@ -244,9 +248,11 @@ def resireduce(
         compensated gradient ``G~`` (``"compensated"``, the reference code's ``update``
         in ``dimcprs.py``, ``dimcprs2d.py``, ``resireduce*.py``). Used with both
         ``selection`` modes.
-      residual_dtype: storage dtype of residuals (e.g. ``jnp.bfloat16``; float8 only for
-        residuals of order 1, as :func:`~resireduce_jax.error_feedback` says); default:
-        the leaf's dtype. Beyond the paper.
+      residual_dtype: an alias of ``residual_format`` for a float dtype.
+      residual_format: how every store keeps its values, shared, rows and 2-D blocks
+        included, as :func:`~resireduce_jax.error_feedback` takes it (``"bfloat16"``,
+        ``"int8"``, ``"float8"``, ``"int4"``, a ``BlockFormat``); default: the leaf's
+        dtype. Beyond the paper.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys (compressor randomness, softmax sampling).
       selection_scope: ``"leaf"`` (default, the paper): a sparsifier sends its density of
@@ -283,7 +289,7 @@ def resireduce(
     if row_ratio is not None:
         _check_ratio("row_ratio", row_ratio)
     _check_ratio("col_ratio", col_ratio)
-    check_residual_dtype(residual_dtype)
+    residual_dtype, residual_format = residual_storage(residual_format, residual_dtype)
     if grouping is None:
         grouping = grouping_lib.auto()
     options = dict(
@@ -299,6 +305,7 @@ def resireduce(
         weight_source=weight_source,
         norm_source=norm_source,
         residual_dtype=residual_dtype,
+        residual_format=residual_format,
     )
 
     return exchange(

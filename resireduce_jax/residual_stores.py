@@ -160,6 +160,7 @@ class StorePlan:
     selection: Selection = "top"
     norm_source: NormSource = "residual"
     shard: Shard | None = None
+    format: Any = None
 
     keeps_residual: ClassVar[bool] = True
     """Whether the store keeps a residual at all (all but ``"none"``)."""
@@ -178,22 +179,50 @@ class StorePlan:
 
     # ------------------------------------------------------------------ what is kept
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the values are kept as block-scaled codes (:attr:`format`)."""
+        return self.format is not None
+
+    def keep(self, x: jax.Array, key: Callable | None = None) -> Any:
+        """Values ``x`` as the store keeps them: cast to :attr:`dtype`, or encoded by
+        :attr:`format` (``key("rounding")``: the stochastic rounding's key)."""
+        if not self.quantized:
+            return x.astype(self.dtype)
+        rounding = key("rounding") if key is not None and self.format.stochastic else None
+        return self.format.encode(x, rounding)
+
+    def values(self, stored: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """Kept values of ``shape`` back as ``dtype`` (:meth:`keep` inverted)."""
+        if not self.quantized:
+            return stored.astype(dtype)
+        return self.format.decode(stored, shape, dtype)
+
     def init(self) -> Any:
         """Zero residual (the first step starts with ``R = 0``)."""
+        if self.quantized:
+            return self.format.init(self.group.shape, self.dtype)
         return jnp.zeros(self.group.shape, self.dtype)
 
     def stored_bytes(self) -> int:
-        """Bytes the stored residual occupies (indices included)."""
+        """Bytes the stored residual occupies (indices and scales included)."""
+        if self.quantized:
+            return self.format.stored_bytes(self.group.shape)
         return self.group.size * np.dtype(self.dtype).itemsize
 
     def densify(self, stored: Any) -> jax.Array:
         """The stored residual as a dense leaf-shaped array (zeros where nothing is kept)."""
+        if self.quantized:
+            return self.values(stored, self.group.shape, jnp.promote_types(self.dtype, jnp.float32))
         return jnp.asarray(stored)
 
     # ------------------------------------------------------------------ one step
 
     def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
-        """``G~ = G + R``, written into the donated residual's buffer."""
+        """``G~ = G + R``, written into the donated residual's buffer (block by block over
+        ``G``'s own buffer for codes: :meth:`ResidualFormat.add_decoded`)."""
+        if self.quantized:
+            return self.format.add_decoded(g, stored)
         return g + stored.astype(g.dtype)
 
     def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:
@@ -208,15 +237,24 @@ class StorePlan:
 
     def finish(self, r: jax.Array, stored: Any, read: Any, key: Callable, skip: Any) -> Any:
         """The new stored residual of a singleton store from the unit's fresh residual
-        ``r``. ``read``: :meth:`read_compensated`'s; ``key()``: the selection key."""
-        del stored, read, key, skip
-        return r.astype(self.dtype)
+        ``r``. ``read``: :meth:`read_compensated`'s; ``key()``: the selection key,
+        ``key("rounding")`` the stochastic rounding's."""
+        del stored, read, skip
+        return self.keep(r, key)
 
     # ------------------------------------------------------------ layer-stack slices
 
     def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
         """:meth:`compensate` for the slices of ``batch`` in the slice-major stack ``x``."""
-        return in_place.add_slices(x, stored, batch.start, np.arange(len(batch.stores)))
+        return in_place.add_slices(
+            x, self.stacked_values(stored, x.dtype), batch.start, np.arange(len(batch.stores))
+        )
+
+    def stacked_values(self, stored: Any, dtype: Any) -> Any:
+        """A batch's stored residuals (a leading store axis) as values, or as they are."""
+        if not self.quantized:
+            return stored
+        return jax.vmap(lambda s: self.values(s, self.group.shape, dtype))(stored)
 
     def read_slices(self, x: jax.Array, start: int, stop: int) -> tuple[jax.Array, Any]:
         """:meth:`read_compensated` for slices ``start ... stop - 1`` of ``x``."""
@@ -227,9 +265,13 @@ class StorePlan:
         self, part: jax.Array, read: Any, batch: StoreBatch, stored: Any, keys: Callable, skip: Any
     ) -> Any:
         """The batch's new stored residuals from its slices' fresh residuals ``part``;
-        ``keys()``: the slices' selection keys."""
-        del read, batch, stored, keys, skip
-        return part.astype(self.dtype)
+        ``keys()``: the slices' selection keys, ``keys("rounding")`` their rounding keys."""
+        del read, batch, stored, skip
+        if not self.quantized:
+            return part.astype(self.dtype)
+        if not self.format.stochastic:
+            return jax.vmap(self.keep)(part)
+        return jax.vmap(lambda x, k: self.keep(x, lambda _: k))(part, keys("rounding"))
 
 
 def shard_store(plan: StorePlan, axis_name: str, count: int) -> StorePlan:
@@ -295,6 +337,8 @@ class SharedStore(StorePlan):
 
     def compensate(self, stored: Any, g: jax.Array) -> jax.Array:
         # R stays readable for the other members: added into G's own buffer.
+        if self.quantized:
+            return self.format.add_decoded(g, stored)
         return in_place.add_into(g, stored)
 
     def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:
@@ -320,7 +364,8 @@ class SharedStore(StorePlan):
         raise TypeError("A shared group's residual is a sum over its members (WeightedSum).")
 
     def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
-        return in_place.add_slices(x, stored, batch.start, batch.store_of_slice)
+        values = self.stacked_values(stored, x.dtype)
+        return in_place.add_slices(x, values, batch.start, batch.store_of_slice)
 
     def read_slices(self, x: jax.Array, start: int, stop: int) -> tuple[jax.Array, Any]:
         if not self.reads_weights:
@@ -330,7 +375,7 @@ class SharedStore(StorePlan):
     def finish_slices(self, part, read, batch, stored, keys, skip):
         weights = self.slice_weights(part) if read is None else read
         sums = WeightedSum.of_groups(part, weights, batch.sizes)
-        return where_skip(skip, stored, sums.finish(self))
+        return where_skip(skip, stored, sums.finish(self, keys))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,15 +385,26 @@ class RowsStore(StorePlan):
 
     keeps_columns: ClassVar[bool] = False
 
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """The shape of the kept values (in the matrix view's layout)."""
+        return _rows_block_shape(self.view, self.keep_rows)
+
     def init(self) -> Any:
-        return RowsResidual(
-            rows=jnp.arange(self.keep_rows, dtype=jnp.int32),
-            values=jnp.zeros(_rows_block_shape(self.view, self.keep_rows), self.dtype),
-        )
+        return RowsResidual(rows=jnp.arange(self.keep_rows, dtype=jnp.int32), values=self._zeros())
+
+    def _zeros(self) -> Any:
+        if self.quantized:
+            return self.format.init(self.block_shape, self.dtype)
+        return jnp.zeros(self.block_shape, self.dtype)
+
+    def _values_bytes(self) -> int:
+        if self.quantized:
+            return self.format.stored_bytes(self.block_shape)
+        return math.prod(self.block_shape) * np.dtype(self.dtype).itemsize
 
     def stored_bytes(self) -> int:
-        itemsize = np.dtype(self.dtype).itemsize
-        return self.keep_rows * self.view.num_cols * itemsize + self.keep_rows * 4
+        return self._values_bytes() + self.keep_rows * 4
 
     def densify(self, stored: Any) -> jax.Array:
         zeros = jnp.zeros(self.group.shape, jnp.promote_types(self.dtype, jnp.float32))
@@ -365,7 +421,8 @@ class RowsStore(StorePlan):
         return dimension_norms_in_place(self, x)
 
     def finish(self, r, stored, read, key, skip):
-        return where_skip(skip, stored, compress_residual(self, r, key(), read))
+        rounding = key("rounding") if self.quantized and self.format.stochastic else None
+        return where_skip(skip, stored, compress_residual(self, r, key(), read, rounding))
 
     def compensate_slices(self, x: jax.Array, stored: Any, batch: StoreBatch) -> jax.Array:
         x, _ = _map_range(
@@ -383,7 +440,8 @@ class RowsStore(StorePlan):
         return _map_range(x, start, stop, norms)
 
     def finish_slices(self, part, read, batch, stored, keys, skip):
-        kept = jax.vmap(functools.partial(compress_residual, self))(part, keys(), read)
+        rounding = keys("rounding") if self.quantized and self.format.stochastic else None
+        kept = jax.vmap(functools.partial(compress_residual, self))(part, keys(), read, rounding)
         return where_skip(skip, stored, kept)
 
 
@@ -394,16 +452,19 @@ class BlockStore(RowsStore):
 
     keeps_columns: ClassVar[bool] = True
 
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return _block_shape(self.view, self.keep_rows, self.keep_cols)
+
     def init(self) -> Any:
         return BlockResidual(
             rows=jnp.arange(self.keep_rows, dtype=jnp.int32),
             cols=jnp.arange(self.keep_cols, dtype=jnp.int32),
-            values=jnp.zeros(_block_shape(self.view, self.keep_rows, self.keep_cols), self.dtype),
+            values=self._zeros(),
         )
 
     def stored_bytes(self) -> int:
-        itemsize = np.dtype(self.dtype).itemsize
-        return self.keep_rows * self.keep_cols * itemsize + (self.keep_rows + self.keep_cols) * 4
+        return self._values_bytes() + (self.keep_rows + self.keep_cols) * 4
 
 
 _STORE_CLASSES: dict[str, type[StorePlan]] = {
@@ -478,6 +539,8 @@ def _compensate_kept(plan: RowsStore, stored: Any, g: jax.Array) -> jax.Array:
     where0 = None if kept0 is None else _positions(kept0, size0)
     where1 = None if kept1 is None else _positions(kept1, size1)
     values = stored.values  # in the store's dtype: cast block by block, never as a whole
+    if plan.quantized:  # codes: the kept block decoded (a part of the leaf) before the adds
+        values = plan.values(values, plan.block_shape, g.dtype)
     # The kept values form a grid: each block gathers its rows of it, then the columns, with
     # one index per row and per column (a per-element index is 2 int32 per element).
     cols = None if where1 is None else jnp.maximum(where1, 0)
@@ -591,14 +654,23 @@ class WeightedSum(NamedTuple):
             return cls(totals[0], weight_sums[0])
         return cls(jnp.concatenate(totals), jnp.concatenate(weight_sums))
 
-    def finish(self, plan: StorePlan) -> jax.Array:
-        """The group residual; zero when all weights are zero (all members' x_i = 0).
-        With a leading group axis (:meth:`of_groups`), every group's."""
+    def finish(self, plan: StorePlan, key: Callable | None = None) -> Any:
+        """The group residual as ``plan`` keeps it; zero when all weights are zero (all
+        members' x_i = 0). With a leading group axis (:meth:`of_groups`), every group's
+        (``key("rounding")``: one rounding key per group)."""
         weight = self.weight.reshape(
             self.weight.shape + (1,) * (self.total.ndim - self.weight.ndim)
         )
         safe = jnp.where(weight > 0, weight, 1)
-        return jnp.where(weight > 0, self.total / safe, 0).astype(plan.dtype)
+        mean = jnp.where(weight > 0, self.total / safe, 0)
+        if not plan.quantized:
+            return mean.astype(plan.dtype)
+        if self.weight.ndim == 0:
+            return plan.keep(mean, key)
+        if not plan.format.stochastic:
+            return jax.vmap(plan.keep)(mean)
+        groups = key("rounding")[: mean.shape[0]]  # distinct keys, one per group
+        return jax.vmap(lambda x, k: plan.keep(x, lambda _: k))(mean, groups)
 
 
 def _equal_runs(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -665,7 +737,11 @@ def _l1_norms(plan: StorePlan, magnitude: jax.Array) -> DimensionNorms:
 
 
 def compress_residual(
-    plan: StorePlan, r: jax.Array, key: jax.Array | None, norms: DimensionNorms | None = None
+    plan: StorePlan,
+    r: jax.Array,
+    key: jax.Array | None,
+    norms: DimensionNorms | None = None,
+    rounding: jax.Array | None = None,
 ) -> Any:
     """Keeps the part of a fresh singleton residual ``r`` that ``plan`` stores (§4.3).
 
@@ -679,6 +755,7 @@ def compress_residual(
       key: PRNG key for ``selection="softmax_sample"`` (else ``None``).
       norms: the norms that rank rows and columns (:func:`dimension_norms` of ``G~`` for
         ``norm_source="compensated"``); default: those of ``r``.
+      rounding: the key of a stochastically rounding :attr:`StorePlan.format`.
     """
     view = plan.view
     width = view.shape2d[1]
@@ -703,10 +780,10 @@ def compress_residual(
     if not plan.keeps_columns:
         every = jnp.arange(view.shape2d[1 - view.row_axis], dtype=jnp.int32)
         i0, i1 = (rows, every) if view.row_axis == 0 else (every, rows)
-        return RowsResidual(rows, take(i0[:, None], i1[None, :]).astype(plan.dtype))
+        return RowsResidual(rows, plan.keep(take(i0[:, None], i1[None, :]), lambda _: rounding))
     cols = _select(norms.cols, plan.keep_cols, plan.selection, key_cols)
     i0, i1 = _axis_indices(view, rows, cols)
-    return BlockResidual(rows, cols, take(i0[:, None], i1[None, :]).astype(plan.dtype))
+    return BlockResidual(rows, cols, plan.keep(take(i0[:, None], i1[None, :]), lambda _: rounding))
 
 
 def densify(plan: StorePlan, stored: Any) -> jax.Array:

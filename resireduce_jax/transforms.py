@@ -14,7 +14,9 @@ import functools
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
+from resireduce_jax import residual_formats
 from resireduce_jax.compressors.base import Compressor
 from resireduce_jax.compressors.schedule import Phased
 from resireduce_jax.exchange import (
@@ -33,6 +35,7 @@ __all__ = [
     "check_residual_dtype",
     "compressed_mean",
     "error_feedback",
+    "residual_storage",
 ]
 
 
@@ -48,6 +51,24 @@ def check_residual_dtype(residual_dtype: Any) -> Any:
     if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
         raise ValueError(f"residual_dtype must be a floating dtype, got {residual_dtype!r}.")
     return residual_dtype
+
+
+def residual_storage(residual_format: Any, residual_dtype: Any) -> tuple[Any, Any]:
+    """``(dtype, format)`` of the stores: a float format is a storage dtype (``format``
+    ``None``), a block format is kept as codes with per-block scales (``dtype`` ``None``:
+    each leaf's, which decoded values take). ``residual_dtype`` is an alias of a float
+    format."""
+    if residual_format is not None and residual_dtype is not None:
+        raise ValueError(
+            "Give residual_format or residual_dtype, not both: residual_dtype=D is "
+            "residual_format=D."
+        )
+    if residual_format is None:
+        return check_residual_dtype(residual_dtype), None
+    fmt = residual_formats.parse_format(residual_format)
+    if isinstance(fmt, residual_formats.FloatFormat):
+        return np.dtype(fmt.dtype), None
+    return None, fmt
 
 
 def check_compressor(compressor: Any) -> Compressor | Phased:
@@ -72,16 +93,20 @@ def _singleton_exchange(
     seed: int,
     residual_dtype: Any = None,
     selection_scope: str = "leaf",
+    residual_format: Any = None,
 ) -> ExchangeTransformation:
     """The exchange whose every compressed leaf is a store of its own: with a residual
-    (``kind="leaf"``, :func:`error_feedback`, in ``residual_dtype``) or without
+    (``kind="leaf"``, :func:`error_feedback`, in ``residual_format``) or without
     (``"none"``, :func:`compressed_mean`); arguments checked, named ``name``."""
     min_size = check_min_size(min_size)
-    dtype = check_residual_dtype(residual_dtype)
+    dtype, fmt = residual_storage(residual_format, residual_dtype)
+    planner = functools.partial(
+        singleton_stores, min_size=min_size, kind=kind, dtype=dtype, residual_format=fmt
+    )
     return exchange(
         check_compressor(compressor),
         axis_name,
-        planner=functools.partial(singleton_stores, min_size=min_size, kind=kind, dtype=dtype),
+        planner=planner,
         min_size=min_size,
         seed=seed,
         name=name,
@@ -153,6 +178,7 @@ def error_feedback(
     seed: int = 0,
     residual_dtype: Any = None,
     selection_scope: str = "leaf",
+    residual_format: Any = None,
 ) -> ExchangeTransformation:
     """Compressed averaging with error feedback: every compressed leaf keeps its own residual.
 
@@ -180,12 +206,7 @@ def error_feedback(
         unstacked pytree (:mod:`resireduce_jax.layer_stacks`). ``None``: no stacks.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense, no residual.
       seed: seed of the per-step keys of randomized compressors.
-      residual_dtype: storage dtype of the residuals (e.g. ``jnp.bfloat16``: half of
-        float32's bytes; the new residual is rounded to it, so mass is conserved up to
-        that rounding); default: each leaf's dtype. A float8 dtype (``jnp.float8_e4m3fn``,
-        a quarter) keeps magnitudes from 2⁻⁹ to 448 only: it suits residuals of order 1,
-        such as :func:`~resireduce_jax.compressed_momentum_adam`'s (in its update's units),
-        not a raw gradient's, which it would flush to zero. Beyond the paper.
+      residual_dtype: an alias of ``residual_format`` for a float dtype.
       selection_scope: ``"leaf"`` (default): a sparsifier sends its density of every
         leaf; ``"global"``: a Top-k compressor sends its density of all compressed leaves
         together, ranked by magnitude across leaves (whole-model Top-k: the same bytes, and
@@ -193,11 +214,20 @@ def error_feedback(
         residual's buffer, as per leaf). Flat exchanges without layer stacks, every
         phase Top-k or dense, one dtype. Beyond the paper
         (:mod:`resireduce_jax.exchange`).
+      residual_format: how residuals are kept (beyond the paper;
+        :func:`resireduce_jax.residual_formats.parse_format`): ``"float32"`` /
+        ``"bfloat16"`` (a cast; the new residual is rounded, so mass is conserved up to
+        that rounding), ``"int8"``, ``"float8"`` or ``"int4"`` (codes with one float32
+        scale per block, exact about zero), or a
+        :class:`~resireduce_jax.residual_formats.BlockFormat` with its block size and
+        rounding (``"stochastic"``: keys from the seed, step, unit and worker, so a resumed
+        run draws the same bits). ``"float8_e4m3fn"`` is an unscaled cast, which holds
+        magnitudes from 2⁻⁹ to 448 only. Default: each leaf's dtype.
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is an
       :class:`~resireduce_jax.exchange.ExchangeState`; ``residuals`` maps each compressed
-      leaf's path to its residual (leaf shape, ``residual_dtype`` or the leaf's dtype).
+      leaf's path to its residual (leaf shape, in ``residual_format`` or the leaf's dtype).
       ``update`` takes an optional ``skip``, a boolean scalar equal on all workers: zero
       output, counters unchanged, and each residual becomes ``G~`` (nothing was sent); see
       :func:`resireduce_jax.skip_nonfinite`.
@@ -219,4 +249,5 @@ def error_feedback(
         seed,
         residual_dtype,
         selection_scope,
+        residual_format,
     )

@@ -122,6 +122,12 @@ VARIANTS = {
     "w+2d-bf16": resireduce(
         grouping=MIXED, intra_layers="wte|blocks/3/mlp", residual_dtype=jnp.bfloat16
     ),
+    "ef-int8": lambda **kw: rr.error_feedback(
+        C.topk(DENSITY), min_size=MIN_SIZE, residual_format="int8", **kw
+    ),
+    "w+2d-int4-stochastic": resireduce(
+        grouping=MIXED, intra_layers="wte|blocks/3/mlp", residual_format="int4/64/stochastic"
+    ),
 }
 
 
