@@ -39,6 +39,9 @@ VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "d", "2d", "a+d", "a+2d", "w
 # Residual storage dtypes ("": the gradients'); float8 only for compressed_momentum_adam.
 FLOAT8 = "float8_e4m3fn"
 RESIDUAL_DTYPES = ("", "float32", "bfloat16", "float16", FLOAT8)
+RESIDUAL_FORMAT = re.compile(
+    r"|float32|bfloat16|float16|(int8|float8|int4)(/[1-9]\d*(/(nearest|stochastic))?)?"
+)
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
 
 
@@ -127,6 +130,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.options = ml_collections.ConfigDict()  # other compressor arguments
     c.compression.min_size = 10_000
     c.compression.residual_dtype = ""  # "" = the leaf dtype; e.g. "bfloat16"
+    # "" = residual_dtype's; "int8" / "float8" / "int4" (codes, a scale per block),
+    # "int4/64/stochastic" (block size, rounding), "bfloat16", "float32"
+    c.compression.residual_format = ""
     c.compression.grouping = "auto"  # "auto" or "regex"
     c.compression.max_group_size = 3  # for "auto"; 0 = unlimited
     c.compression.rules = ()  # for "regex": ((pattern, label template), ...)
@@ -378,6 +384,24 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         "compresses the raw momentum: compressed='momentum') but would "
         "flush most of a gradient's residual to zero; choose optimizer.name="
         "'compressed_momentum_adam' or residual_dtype='bfloat16'.",
+    )
+    residual_format = comp.get("residual_format", "")
+    _check(
+        RESIDUAL_FORMAT.fullmatch(residual_format) is not None,
+        f"compression.residual_format={residual_format!r}; choose '' (residual_dtype's), "
+        "'float32', 'bfloat16', 'int8', 'float8', 'int4', or one of those three with a "
+        "block size and rounding, e.g. 'int4/64/stochastic'.",
+    )
+    _check(
+        not (residual_format and comp.residual_dtype),
+        f"compression.residual_format={residual_format!r} and compression.residual_dtype="
+        f"{comp.residual_dtype!r}: give one (residual_dtype is an alias of a float format).",
+    )
+    _check(
+        not residual_format or comp.variant not in ("dense", "none", "dgc"),
+        f"compression.residual_format={residual_format!r} with compression.variant="
+        f"{comp.variant!r}: this variant keeps no residuals in the exchange's stores; unset "
+        "residual_format or choose a variant with residuals (ef, w+2d, ...).",
     )
     _check(
         not comp.residual_dtype or comp.variant not in ("dense", "none", "dgc"),

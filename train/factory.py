@@ -177,9 +177,13 @@ def build_exchange(
     if variant == "none":
         return rr.compressed_mean(compressor, axis_name, selection_scope=scope, **options)
     if variant == "ef":
-        residual_dtype = comp.residual_dtype or None
         return rr.error_feedback(
-            compressor, axis_name, residual_dtype=residual_dtype, selection_scope=scope, **options
+            compressor,
+            axis_name,
+            residual_dtype=comp.residual_dtype or None,
+            residual_format=comp.get("residual_format", "") or None,
+            selection_scope=scope,
+            **options,
         )
     if variant == "dgc":
         return rr.error_feedback(compressor, axis_name, **options)
@@ -208,6 +212,7 @@ def _resireduce_options(comp: ml_collections.ConfigDict, variant: str) -> dict[s
         weight_source=comp.weight_source,
         norm_source=comp.norm_source,
         residual_dtype=comp.residual_dtype or None,
+        residual_format=comp.get("residual_format", "") or None,
         min_size=comp.min_size,
     )
 
