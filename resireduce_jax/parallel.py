@@ -351,9 +351,7 @@ def abstract_state(
         lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(mesh, P())),
         params,
     )
-    init = jax.shard_map(
-        lambda p: stack_per_worker(tx.init(p), specs), mesh=mesh, in_specs=P(), out_specs=specs
-    )
+    init = _stacked_init(tx, mesh, specs)
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
         jax.eval_shape(init, replicated),
@@ -379,10 +377,14 @@ def init_state(
     :func:`~resireduce_jax.exchange.resize_workers` read this layout.
     """
     specs = state_partition_specs(tx, params, mesh, axis_name)
-    init = jax.shard_map(
+    return specs, jax.jit(_stacked_init(tx, mesh, specs))(replicated(params, mesh))
+
+
+def _stacked_init(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree) -> Callable:
+    """``tx.init`` inside ``shard_map``, per-worker leaves given their worker axis."""
+    return jax.shard_map(
         lambda p: stack_per_worker(tx.init(p), specs), mesh=mesh, in_specs=P(), out_specs=specs
     )
-    return specs, jax.jit(init)(replicated(params, mesh))
 
 
 def _pmean_floats(tree: PyTree, axis_name: AxisName) -> PyTree:
@@ -535,14 +537,7 @@ class DataParallelStep:
         if self.state_specs is None:
             self.state_specs = state_partition_specs(self.tx, params, self.mesh, self.worker_axes)
         if self._init is None:
-            specs = self.state_specs
-
-            def init_state(p):
-                return stack_per_worker(self.tx.init(p), specs)
-
-            self._init = jax.jit(
-                jax.shard_map(init_state, mesh=self.mesh, in_specs=P(), out_specs=specs)
-            )
+            self._init = jax.jit(_stacked_init(self.tx, self.mesh, self.state_specs))
         return params, self._init(params)
 
     def _build(self, density_phase: int | None = None) -> Callable[..., Any]:
