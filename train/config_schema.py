@@ -11,7 +11,7 @@ or anything is compiled.
 from __future__ import annotations
 
 import difflib
-import math
+import importlib.util
 import os
 import re
 from typing import Any
@@ -478,54 +478,21 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
 
 # resireduce_jax.planner.parse_budget, spelled out so that a bad memory.budget is reported
 # before jax is imported (tests/test_train.py checks that the two agree).
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)")
-_EXAMPLES = "e.g. '12GiB', '8 GB', '512MiB' or a number of bytes such as 12884901888"
+def _load_budget_module():
+    """``resireduce_jax/planner/budget.py`` (standard library only), loaded from its file so
+    that reading a budget imports neither the package nor jax."""
+    package = importlib.util.find_spec("resireduce_jax")
+    path = os.path.join(package.submodule_search_locations[0], "planner", "budget.py")
+    spec = importlib.util.spec_from_file_location("_resireduce_jax_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_memory_budget(budget: int | float | str) -> int:
-    """``memory.budget`` in bytes, as :func:`resireduce_jax.planner.parse_budget` reads it.
-
-    Raises ValueError with the accepted forms for anything it does not read.
-    """
-    if isinstance(budget, bool):
-        raise ValueError(f"a memory budget cannot be a bool, got {budget!r}; {_EXAMPLES}.")
-    if isinstance(budget, int):
-        value = float(budget)
-    elif isinstance(budget, float):
-        if not math.isfinite(budget) or budget != int(budget):
-            raise ValueError(
-                f"a memory budget in bytes must be a whole number, got {budget!r}; {_EXAMPLES}."
-            )
-        value = budget
-    elif isinstance(budget, str):
-        text = budget.strip().lower()
-        match = _SIZE.fullmatch(text)
-        if match is None or (match.group(2) and match.group(2) not in _UNITS):
-            hint = ""
-            if text.endswith("%"):
-                hint = " (percentages are for remat.budget; the planner needs a size)"
-            elif match is not None and match.group(2) in ("k", "m", "g", "t", "kb/s"):
-                hint = f" ('{match.group(2)}' is ambiguous: write GB or GiB)"
-            raise ValueError(f"cannot read the memory budget {budget!r}{hint}; {_EXAMPLES}.")
-        value = float(match.group(1)) * _UNITS.get(match.group(2) or "b", 1)
-    else:
-        raise ValueError(
-            f"a memory budget is an int or a string, got {type(budget).__name__}; {_EXAMPLES}."
-        )
-    if not value >= 1:
-        raise ValueError(f"a memory budget must be at least 1 byte, got {budget!r}; {_EXAMPLES}.")
-    return int(value)
+    """``memory.budget`` in bytes: :func:`resireduce_jax.planner.parse_budget` itself,
+    before jax is imported. Raises ValueError with the accepted forms."""
+    return _load_budget_module().parse_budget(budget)
 
 
 def local_devices(config: ml_collections.ConfigDict) -> int | None:
