@@ -10,8 +10,12 @@ under every exchange variant and several seeds, with nothing else changed:
 * ``ef``: top-k with plain error feedback, one residual per compressed leaf (the baseline);
 * ``a``, ``w``, ``2d``, ``w+2d``: ResiReduce's reduced residuals (shared average / weighted
   residual per group of same-shape leaves, 2-D intra-layer residual, both);
-* ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals stored in bfloat16;
-  ``ef+f8``, ``w+2d+f8``: in float8 (e4m3), compressed-momentum Adam only (beyond the paper).
+* ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals cast to bfloat16;
+  ``ef+f8``, ``w+2d+f8``: cast to float8 (e4m3), compressed-momentum Adam only;
+* ``<store>+<format>`` for each store of ``STORES`` and format of ``FORMATS`` (e.g.
+  ``ef+int4``, ``w+2d+int8``): the residuals in a ``compression.residual_format``, codes
+  with a scale per block (beyond the papers). ``frontier.png`` plots them: residual bytes
+  against EF's, and the final metric against dense's, one point per store and format.
 
 Seeds change the parameter initialization, the data order and the per-step PRNG keys;
 seed ``s`` is the same for every variant, so differences between variants are paired.
@@ -58,7 +62,7 @@ quality and bytes together.
 Tasks can be added to an earlier result with ``--merge`` (the README's figures were
 produced that way: ``--tasks byte_gpt_deep --merge`` after the first two tasks).
 
-Writes ``benchmarks/results/accuracy.{json,md,png}``. Usage::
+Writes ``benchmarks/results/accuracy.{json,md,png}`` and ``frontier.png``. Usage::
 
     python benchmarks/accuracy.py                                  # the README's run
     python benchmarks/accuracy.py --tasks digits --variants none ef w+2d --seeds 1
@@ -83,8 +87,13 @@ from typing import Any, NamedTuple
 
 from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 
-# Exchange variants (train/compiled_step.py vocabulary: "+bf16" / "+f8" = bfloat16 / float8
-# residuals; "dgc": DGC's own memory, SGD tasks only).
+# Exchange variants (train/compiled_step.py vocabulary: "+bf16" / "+f8" = residuals cast to
+# bfloat16 / float8; "+<format>" = a compression.residual_format; "dgc": DGC's own memory,
+# SGD tasks only).
+STORES = ("ef", "w", "2d", "w+2d")
+# The memory-accuracy frontier's formats: codes with a float32 scale per block ("float8" is
+# e4m3 codes so scaled, unlike the "+f8" cast).
+FORMATS = ("bfloat16", "int8", "float8", "int4", "int4/128/stochastic")
 VARIANTS = (
     "dense",
     "none",
@@ -98,6 +107,7 @@ VARIANTS = (
     "w+2d",
     "w+2d+bf16",
     "w+2d+f8",
+    *(f"{store}+{fmt}" for store in STORES for fmt in FORMATS),
 )
 
 
@@ -603,7 +613,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "Recipes: " + "; ".join(f"`{r}`: {RECIPES[r].description}" for r in recipes) + ".",
         "",
         f"Each run is `train.train.train_and_evaluate` on {NUM_WORKERS} simulated CPU workers; "
-        "only `compression.variant` (and, for +bf16, `compression.residual_dtype`) differs "
+        "only `compression.variant` (and, for a +suffix, `compression.residual_dtype` or "
+        "`compression.residual_format`) differs "
         "between rows of a task. Same seed = same init, data order and PRNG keys. Residual "
         "bytes are what one worker keeps between steps (from the run's memory report).",
         "",
@@ -693,6 +704,56 @@ def plot(payload: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def frontier_points(payload: dict[str, Any]) -> dict[tuple[str, str], list[tuple]]:
+    """Per (task, recipe): ``(variant, residual bytes / EF's, mean final / dense's mean)``
+    for each summary row that keeps residuals, from the payload's summary."""
+    points: dict[tuple[str, str], list[tuple]] = {}
+    for row in payload["summary"]:
+        if row["over_dense"] is None or not row["ef_residual_bytes"] or not row["residual_bytes"]:
+            continue
+        if row["variant"] in ("dense", "none"):
+            continue
+        ratio = row["residual_bytes"] / row["ef_residual_bytes"]
+        key = (row["task"], row.get("recipe", "base"))
+        points.setdefault(key, []).append((row["variant"], ratio, row["over_dense"]))
+    return points
+
+
+def plot_frontier(payload: dict[str, Any], path: str) -> bool:
+    """The memory-accuracy frontier: one panel per (task, recipe), residual bytes against
+    float32 EF's on a log axis, final metric over dense's; one point per store and format.
+    Returns whether there was anything to plot."""
+    points = frontier_points(payload)
+    if not points:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(points), figsize=(5.5 * len(points), 4.4), squeeze=False)
+    markers = dict(zip(STORES, "os^D", strict=True))
+    for ax, ((task_name, recipe), rows) in zip(axes[0], points.items(), strict=True):
+        for variant, ratio, over in rows:
+            store = next(
+                (s for s in sorted(STORES, key=len, reverse=True) if variant.startswith(s)),
+                variant,
+            )
+            ax.scatter(ratio, over, marker=markers.get(store, "x"), s=36)
+            ax.annotate(variant, (ratio, over), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("residual bytes / float32 EF's (log)")
+        unit = TASKS[task_name].metric.unit
+        ax.set_ylabel(f"final {unit} / dense's")
+        ax.set_title(f"{task_name} ({recipe})", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def merge_payloads(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
     """``now``'s runs added to ``before``'s; a (task, variant, seed) run again replaces the old.
 
@@ -734,6 +795,7 @@ def write_outputs(payload: dict[str, Any], out: str) -> None:
     """Writes ``accuracy.{json,md,png}`` under ``out`` and prints the table."""
     write_results("accuracy", payload, markdown(payload), out, indent=1)
     plot(payload, os.path.join(out, "accuracy.png"))
+    plot_frontier(payload, os.path.join(out, "frontier.png"))
 
 
 def main(argv: list[str] | None = None) -> None:
