@@ -440,7 +440,7 @@ def train_one(
     config = build_config(task, variant, seed, steps, extra, recipe)
     if task.pretrain is not None:
         config.init_from = pretrained(task)
-    name = f"{task_name}_{recipe}_{variant}_seed{seed}"
+    name = f"{task_name}_{recipe}_{variant.replace('/', '-')}_seed{seed}"  # a path part
     workdir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
     log_path = os.path.join(scratch, f"{name}.log")
     start = time.perf_counter()
