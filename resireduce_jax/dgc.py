@@ -6,6 +6,7 @@ Each worker clips its gradient, accumulates velocity, sends it compressed and ma
 The optimizer after it must be plain SGD without momentum: deep_gradient_compression builds it.
 Leaves too small to compress travel dense with one replicated heavy-ball momentum.
 It offers no grouping: DGC's two buffers per leaf cannot be shared or cut to rows.
+Both buffers can be kept in a residual format (residual_formats.py), beyond the paper.
 The four steps, and why reduced residuals are not offered: docs/design.md, "DGC's memory
 (dgc.py)".
 """
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from resireduce_jax import nonfinite
+from resireduce_jax import nonfinite, residual_formats
 from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import (
     Compressor,
@@ -32,7 +33,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
 )
 from resireduce_jax.compressors.sparse import DGC, FastTopK, RandomK, SparsePayload, Threshold, TopK
-from resireduce_jax.exchange import DEFAULT_MIN_SIZE, leaf_key
+from resireduce_jax.exchange import DEFAULT_MIN_SIZE, _rounding_key, leaf_key
 from resireduce_jax.optimizers import sgd
 from resireduce_jax.optimizers._common import ScalarOrSchedule, clip_factor, global_norm
 from resireduce_jax.transforms import check_compressor, check_min_size
@@ -52,9 +53,11 @@ class DGCState(NamedTuple):
       count: number of updates so far (int32); drives the per-step PRNG keys of randomized
         compressors. Not advanced by a skipped step.
       momentum: ``u`` per compressed leaf (DGC §3.2), params' structure with
-        ``optax.MaskedNode()`` at dense leaves. Per worker.
+        ``optax.MaskedNode()`` at dense leaves: in the leaf's dtype, or as the
+        ``residual_format`` keeps it (a cast, or
+        :class:`~resireduce_jax.residual_formats.Quantized` codes and scales). Per worker.
       velocity: ``v`` per compressed leaf, the accumulated momentum-corrected gradient not
-        sent yet; same structure. Per worker.
+        sent yet; same structure and format. Per worker.
       dense_momentum: heavy-ball momentum of the dense (uncompressed) leaves' mean,
         ``optax.MaskedNode()`` at compressed leaves. Replicated.
       compressor_state: per-leaf compressor state (``()`` for the sparse compressors
@@ -149,6 +152,12 @@ def _zero_at(x: jax.Array, indices: jax.Array) -> jax.Array:
     return flat.reshape(x.shape)
 
 
+def _check_format(residual_format: Any) -> residual_formats.ResidualFormat | None:
+    if residual_format is None:
+        return None
+    return residual_formats.parse_format(residual_format)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DGCMemory:
     compressor: Compressor
@@ -157,6 +166,26 @@ class _DGCMemory:
     axis_name: str
     min_size: int
     seed: int
+    residual_format: residual_formats.ResidualFormat | None = None
+
+    def format_of(self, dtype: Any) -> residual_formats.ResidualFormat | None:
+        """How a compressed leaf of ``dtype`` keeps ``u`` and ``v``: ``None`` for the
+        leaf's own dtype (no format, or a cast to that dtype)."""
+        fmt = self.residual_format
+        if isinstance(fmt, residual_formats.FloatFormat) and np.dtype(fmt.dtype) == dtype:
+            return None
+        return fmt
+
+    def rounding_keys(
+        self, count: jax.Array, leaf_index: int
+    ) -> tuple[jax.Array | None, jax.Array | None]:
+        """Stochastic rounding keys of ``(u, v)`` at one step: the exchange stores' stream
+        (seed, count, leaf, worker), split in two."""
+        fmt = self.residual_format
+        if fmt is None or not fmt.stochastic:
+            return None, None
+        key_u, key_v = jax.random.split(_rounding_key(self.seed, count, leaf_index, self.axis_name))
+        return key_u, key_v
 
     @functools.cached_property
     def phases(self) -> tuple[schedule.Phase, ...]:
@@ -177,8 +206,10 @@ class _DGCMemory:
             if sparse:
                 for phase in self.phases:
                     phase.compressor.validate(path, like)
-                us.append(jnp.zeros(like.shape, like.dtype))
-                vs.append(jnp.zeros(like.shape, like.dtype))
+                fmt = self.format_of(like.dtype)
+                zeros = jnp.zeros(like.shape, like.dtype) if fmt is None else fmt.init(like.shape)
+                us.append(zeros)
+                vs.append(zeros)
                 dense.append(masked)
                 cstates.append(self.phases[0].compressor.init(like))
             else:
@@ -237,9 +268,14 @@ class _DGCMemory:
                 new_dense[i] = u = _where(skip, dense_us[i], u)
                 out.append(_where(skip, jnp.zeros((), u.dtype), u))
                 continue
+            fmt = self.format_of(g.dtype)
+            u_old, v_old = us[i], vs[i]
+            if fmt is not None:  # decoded on read, encoded again after the update
+                u_old = fmt.decode(u_old, g.shape, g.dtype)
+                v_old = fmt.decode(v_old, g.shape, g.dtype)
             # Momentum correction (§3.2): accumulate velocity, not gradient.
-            u = _where(skip, us[i], m * us[i] + g)
-            v = _where(skip, vs[i], vs[i] + u)
+            u = _where(skip, u_old, m * u_old + g)
+            v = _where(skip, v_old, v_old + u)
 
             def send(compressor, u, v, cstate, i=i):
                 key = leaf_key(self.seed, state.count, i, compressor, self.axis_name)
@@ -262,10 +298,15 @@ class _DGCMemory:
                 return mean, _zero_at(u, sent), v, cstate
 
             if static is not None:
-                mean, new_us[i], new_vs[i], cstate = send(static, u, v, cstates[i])
+                mean, u, v, cstate = send(static, u, v, cstates[i])
             else:  # one static-size branch per phase of the density schedule
                 branches = [functools.partial(send, p.compressor) for p in self.phases]
-                mean, new_us[i], new_vs[i], cstate = lax.switch(phase, branches, u, v, cstates[i])
+                mean, u, v, cstate = lax.switch(phase, branches, u, v, cstates[i])
+            if fmt is not None:  # masked entries are zeros, which every format keeps exactly
+                key_u, key_v = self.rounding_keys(state.count, i)
+                u = _where(skip, us[i], fmt.encode(u, key_u))
+                v = _where(skip, vs[i], fmt.encode(v, key_v))
+            new_us[i], new_vs[i] = u, v
             new_cstates[i] = _where(skip, cstates[i], cstate)
             out.append(_where(skip, jnp.zeros((), mean.dtype), mean))
 
@@ -288,6 +329,7 @@ def dgc_memory(
     *,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
+    residual_format: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DGC's memory as the first transform of an optax chain (Lin et al., ICLR 2018, §3).
 
@@ -327,6 +369,13 @@ def dgc_memory(
       axis_name: the mapped axis of the data-parallel workers.
       min_size: leaves with fewer elements (or ``ndim <= 1``) travel dense.
       seed: seed of the per-step keys of randomized compressors (``dgc``'s sample).
+      residual_format: how ``u`` and ``v`` of compressed leaves are kept (beyond the
+        paper; :func:`resireduce_jax.residual_formats.parse_format`): ``None`` (the leaf's
+        dtype), ``"float32"``, ``"bfloat16"``, ``"int8"``, ``"float8"``, ``"int4"`` or
+        ``"int4/64/stochastic"``. Both are decoded on read and encoded after the update;
+        masked entries stay exact zeros. Stochastic rounding keys come from ``seed``, the
+        step, the leaf and the worker, as in the exchange's stores. Dense leaves' momentum
+        stays in their dtype.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`DGCState`.
@@ -336,8 +385,8 @@ def dgc_memory(
 
     Raises:
       ValueError: for a non-sparse or scaled random-k compressor, ``momentum`` outside
-        [0, 1), a non-positive ``clip_norm``, a negative ``min_size``; at ``init``, for
-        non-float leaves.
+        [0, 1), a non-positive ``clip_norm``, a negative ``min_size``, an unknown
+        ``residual_format``; at ``init``, for non-float leaves.
 
     References:
       Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
@@ -350,6 +399,7 @@ def dgc_memory(
         axis_name=axis_name,
         min_size=check_min_size(min_size),
         seed=seed,
+        residual_format=_check_format(residual_format),
     )
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
@@ -363,6 +413,7 @@ def deep_gradient_compression(
     *,
     min_size: int = DEFAULT_MIN_SIZE,
     seed: int = 0,
+    residual_format: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DGC's whole optimizer: :func:`dgc_memory` followed by SGD without momentum.
 
@@ -378,6 +429,14 @@ def deep_gradient_compression(
       Distributed Training", ICLR 2018 (https://arxiv.org/abs/1712.01887).
     """
     return optax.chain(
-        dgc_memory(compressor, momentum, clip_norm, axis_name, min_size=min_size, seed=seed),
+        dgc_memory(
+            compressor,
+            momentum,
+            clip_norm,
+            axis_name,
+            min_size=min_size,
+            seed=seed,
+            residual_format=residual_format,
+        ),
         sgd(learning_rate),
     )

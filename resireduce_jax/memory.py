@@ -4,6 +4,8 @@ The ResiReduce paper (§3, §5.2) counts one worker's model states.
 They are parameters, gradients, optimizer state and error-feedback residuals.
 model_state_bytes computes them from shapes alone, so nothing full-size is allocated.
 Compressor state (PowerSGD's Q) has a category of its own; gradients count one buffer.
+DGC's velocity v counts as residuals, its momentum u as optimizer state.
+Stored bytes are exact: a residual format's codes and scales as kept.
 The compiled step's real peak is read with hlo.peak_memory.
 The category rules: docs/design.md, "Model-state accounting (memory.py)".
 """
@@ -18,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from resireduce_jax.dgc import DGCState
 from resireduce_jax.exchange import ExchangeState
 
 PyTree = Any
@@ -70,11 +73,16 @@ def model_state_bytes(params: PyTree, tx: optax.GradientTransformation) -> Model
     abstract = _abstract(params)
     state = jax.eval_shape(tx.init, abstract)
     residuals = compressor = optimizer = 0
-    for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ExchangeState)):
+    stores = (ExchangeState, DGCState)
+    for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, stores)):
         if isinstance(node, ExchangeState):
             residuals += tree_bytes(node.residuals)
             compressor += tree_bytes(node.compressor_state)
             optimizer += tree_bytes(node.count)
+        elif isinstance(node, DGCState):  # v is what is not sent yet; u is the momentum
+            residuals += tree_bytes(node.velocity)
+            compressor += tree_bytes(node.compressor_state)
+            optimizer += tree_bytes((node.count, node.momentum, node.dense_momentum))
         else:
             optimizer += tree_bytes(node)
     size = tree_bytes(abstract)

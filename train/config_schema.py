@@ -398,17 +398,18 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"{comp.residual_dtype!r}: give one (residual_dtype is an alias of a float format).",
     )
     _check(
-        not residual_format or comp.variant not in ("dense", "none", "dgc"),
+        not residual_format or comp.variant not in ("dense", "none"),
         f"compression.residual_format={residual_format!r} with compression.variant="
-        f"{comp.variant!r}: this variant keeps no residuals in the exchange's stores; unset "
-        "residual_format or choose a variant with residuals (ef, w+2d, ...).",
+        f"{comp.variant!r}: this variant keeps no residuals; unset residual_format or choose "
+        "a variant with residuals (ef, dgc, w+2d, ...).",
     )
     _check(
         not comp.residual_dtype or comp.variant not in ("dense", "none", "dgc"),
         f"compression.residual_dtype={comp.residual_dtype!r} with compression.variant="
         f"{comp.variant!r}: "
         + (
-            "DGC keeps its own momentum and residual buffers in the gradients' dtype"
+            "DGC keeps its own momentum and velocity buffers in the gradients' dtype or "
+            "a compression.residual_format"
             if comp.variant == "dgc"
             else "this variant keeps no residuals"
         )

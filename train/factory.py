@@ -356,6 +356,7 @@ def build_tx(
             momentum,
             o.max_grad_norm,
             min_size=comp.min_size,
+            residual_format=comp.get("residual_format", "") or None,
         )
         return optax.chain(*chain, memory, rr.optimizers.sgd(schedule))
     exchange = build_exchange(
