@@ -283,7 +283,8 @@ def resolve(params: PyTree, grouping: Grouping, min_size: int) -> list[Group]:
 
 @dataclasses.dataclass(frozen=True)
 class GroupingReport:
-    """What a grouping does to a params tree: groups, members and residual bytes.
+    """What a grouping does to a params tree: groups, members and residual bytes (as
+    kept: a row's ``format`` and its ``bytes``, codes and scales of a block format).
 
     ``str(report)`` is a readable table; ``rows`` holds the same data for programs.
     """
@@ -301,12 +302,13 @@ class GroupingReport:
         return sum(r["bytes"] for r in self.rows)
 
     def __str__(self) -> str:
-        header = ("group", "members", "shape", "residual", "paths")
+        header = ("group", "members", "shape", "kept as", "residual", "paths")
         lines = []
         for r in self.rows:
             shown = r["paths"] if len(r["paths"]) <= 3 else [*r["paths"][:2], "…", r["paths"][-1]]
             size = _fmt_bytes(r["bytes"])
-            lines.append((r["group"], str(r["members"]), r["shape"], size, ", ".join(shown)))
+            kept = r.get("format", "")
+            lines.append((r["group"], str(r["members"]), r["shape"], kept, size, ", ".join(shown)))
         widths = [
             max(len(h), *(len(line[c]) for line in lines)) if lines else len(h)
             for c, h in enumerate(header)
@@ -339,6 +341,8 @@ def report(
     min_size: int = 10_000,
     *,
     layer_stacks: layer_stacks_lib.LayerStacks | None = None,
+    residual_format: Any = None,
+    residual_dtype: Any = None,
 ) -> GroupingReport:
     """Tabulates the groups ``grouping`` forms on ``params`` (shapes only; nothing allocated).
 
@@ -348,22 +352,42 @@ def report(
       min_size: as in :func:`resireduce_jax.resireduce`.
       layer_stacks: as in :func:`resireduce_jax.resireduce`: every slice of a stack is a
         layer, reported at its slice path.
+      residual_format, residual_dtype: as in :func:`resireduce_jax.resireduce`: each row's
+        ``bytes`` are its whole residual as that store keeps it (codes and scales of a
+        block format; :meth:`~resireduce_jax.residual_stores.StorePlan.stored_bytes`).
+        Default: the leaves' dtype.
 
     Returns:
       A :class:`GroupingReport`; print it.
     """
+    # Imported here: residual_stores imports this module.
+    from resireduce_jax import residual_stores
+    from resireduce_jax.transforms import residual_storage
+
+    dtype, fmt = residual_storage(residual_format, residual_dtype)
     if layer_stacks is not None:
         params = layer_stacks_lib.layout(params, layer_stacks_lib.check(layer_stacks)).view()
     groups = resolve(params, grouping, min_size)
     _, leaves, _ = _flatten(params)
     grouped = {i for g in groups for i in g.members}
     dense = [x for i, x in enumerate(leaves) if i not in grouped]
+
+    def store(g: Group) -> residual_stores.StorePlan:
+        """The group's whole residual as the exchange would keep it."""
+        return residual_stores.StorePlan(
+            group=g,
+            kind="average" if len(g.members) > 1 else "leaf",
+            dtype=g.dtype if dtype is None else np.dtype(dtype),
+            format=fmt,
+        )
+
     rows = tuple(
         {
             "group": g.label,
             "members": len(g.members),
             "shape": "x".join(map(str, g.shape)),
-            "bytes": g.size * g.dtype.itemsize,
+            "format": fmt.name if fmt is not None else store(g).dtype.name,
+            "bytes": store(g).stored_bytes(),
             "paths": list(g.paths),
         }
         for g in groups

@@ -92,11 +92,12 @@ def _np_bound(x: np.ndarray, fmt: residual_formats.BlockFormat) -> np.ndarray:
 class _Stepper:
     """``tx``'s init and one update under shard_map, every state leaf per worker."""
 
-    def __init__(self, tx: optax.GradientTransformation):
-        self.mesh = th.mesh(WORKERS)
-        specs = rr.parallel.state_partition_specs(tx, _params(), self.mesh, th.AXIS)
+    def __init__(self, tx: optax.GradientTransformation, params=None, workers: int = WORKERS):
+        self.mesh = th.mesh(workers)
+        params = _params() if params is None else params
+        specs = rr.parallel.state_partition_specs(tx, params, self.mesh, th.AXIS)
         self.specs = specs
-        params = rr.parallel.replicated(_params(), self.mesh)
+        params = rr.parallel.replicated(params, self.mesh)
 
         def init(p):
             return rr.parallel.stack_per_worker(tx.init(p), specs)

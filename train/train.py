@@ -328,13 +328,16 @@ def _memory_report(
             f"residuals per device: {per_device / 2**20:,.3f} MiB (flat {variant}: "
             f"{flat / 2**20:,.3f} MiB; {ratio})"
         )
-    if run.config.compression.variant not in ("dense", "none", "ef"):
+    if run.config.compression.variant not in ("dense", "none", "ef", "dgc"):  # no groups
         grouping = factory.build_grouping(run.config.compression)
+        comp = run.config.compression
         report = rr.grouping.report(
             abstract_params,
             grouping,
-            run.config.compression.min_size,
+            comp.min_size,
             layer_stacks=factory.layer_stacks(run.config),
+            residual_format=comp.get("residual_format", "") or None,
+            residual_dtype=comp.residual_dtype or None,
         )
         title = "Residual groups:"
         if local_devices:
