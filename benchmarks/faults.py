@@ -8,7 +8,8 @@ can be replayed alone (``--replay i``):
   127.0.0.1, each process simulating 2 of the 4 workers); ``--configs default_hier``
   instead runs the digits job with the hierarchical exchange (``local_devices=2``: 2 nodes
   x 2 devices, every residual sharded over its node's 2 devices; with 2 processes, each
-  process is one node);
+  process is one node); ``--configs default_int4,default_int8`` runs it with the residuals
+  kept as int4 codes (stochastic rounding, blocks of 64) or int8 codes, a scale per block;
 * the signal, SIGKILL or SIGTERM, sent to every process or to one of them;
 * the moment: uniformly random over the wall time of an uninterrupted run (start-up,
   compilation, steps, evaluation, checkpoint writes alike), or the middle of a
@@ -37,6 +38,7 @@ Usage::
     python benchmarks/faults.py --replay 17         # run 17 of --seed again, logs kept
     python benchmarks/faults.py --quick --replay 1  # run 1 of a --quick campaign
     python benchmarks/faults.py --configs default_hier --runs 12 --seed 1  # hierarchical
+    python benchmarks/faults.py --configs default_int4,default_int8 --runs 12  # quantized
     python benchmarks/faults.py --from-json      # re-render reliability.md
 
 A run depends on ``--seed``, ``--quick`` and ``--configs``: a replay needs the same three
@@ -93,15 +95,23 @@ EXTRA_CONFIGS: dict[str, dict[str, Any]] = {
     # The hierarchical exchange: 2 nodes x 2 devices, residuals sharded over a node's
     # devices; with 2 processes each process is one node.
     "default_hier": {**COMMON, "local_devices": 2},
+    # Residuals kept as codes with per-block scales: int4 with stochastic rounding (its
+    # keys from the step, so a resumed run must draw the same bits) and int8.
+    "default_int4": {**COMMON, "compression.residual_format": "int4/64/stochastic"},
+    "default_int8": {**COMMON, "compression.residual_format": "int8"},
 }
 ALL_CONFIGS = {**CONFIGS, **EXTRA_CONFIGS}
-CONFIG_FILES = {"default_hier": "default"}  # configs/<file>.py of a job (default: its name)
+# configs/<file>.py of a job (default: its name)
+CONFIG_FILES = {"default_hier": "default", "default_int4": "default", "default_int8": "default"}
 _QUICK = {"num_steps": 8, "checkpoint_every": 2}
 QUICK = {"default": {**COMMON, **_QUICK}}  # one process only
-QUICK_ALL = {**QUICK, "default_hier": {**ALL_CONFIGS["default_hier"], **_QUICK}}
+QUICK_ALL = {**QUICK, **{name: {**ALL_CONFIGS[name], **_QUICK} for name in EXTRA_CONFIGS}}
 DEFAULT_CAMPAIGN = ",".join(sorted(CONFIGS))  # the key of a campaign over CONFIGS
 # Headings of the campaigns' sections in reliability.md (others: their key).
-TITLES = {"default_hier": "hierarchical exchange, sharded residuals"}
+TITLES = {
+    "default_hier": "hierarchical exchange, sharded residuals",
+    "default_int4,default_int8": "quantized residuals (int4 stochastic, int8)",
+}
 COLLECTIVE_TIMEOUT_S = 10  # a survivor of a SIGKILLed peer stops after about this long
 INITIALIZATION_TIMEOUT_S = 30  # ... or this long, when the peer died before connecting
 RUN_TIMEOUT_S = 600
