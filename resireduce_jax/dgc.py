@@ -41,7 +41,7 @@ from resireduce_jax.tree_paths import is_compressible, leaf_paths, validate_floa
 
 PyTree = Any
 
-__all__ = ["DGCState", "deep_gradient_compression", "dgc_memory"]
+__all__ = ["DGCState", "deep_gradient_compression", "dgc_memory", "resize_workers"]
 
 _SPARSE = (TopK, RandomK, FastTopK, Threshold, DGC)
 
@@ -158,6 +158,16 @@ def _check_format(residual_format: Any) -> residual_formats.ResidualFormat | Non
     return residual_formats.parse_format(residual_format)
 
 
+def _leaf_format(
+    fmt: residual_formats.ResidualFormat | None, dtype: Any
+) -> residual_formats.ResidualFormat | None:
+    """How a compressed leaf of ``dtype`` keeps ``u`` and ``v``: ``None`` for the leaf's
+    own dtype (no format, or a cast to that dtype)."""
+    if isinstance(fmt, residual_formats.FloatFormat) and np.dtype(fmt.dtype) == dtype:
+        return None
+    return fmt
+
+
 @dataclasses.dataclass(frozen=True)
 class _DGCMemory:
     compressor: Compressor
@@ -169,12 +179,8 @@ class _DGCMemory:
     residual_format: residual_formats.ResidualFormat | None = None
 
     def format_of(self, dtype: Any) -> residual_formats.ResidualFormat | None:
-        """How a compressed leaf of ``dtype`` keeps ``u`` and ``v``: ``None`` for the
-        leaf's own dtype (no format, or a cast to that dtype)."""
-        fmt = self.residual_format
-        if isinstance(fmt, residual_formats.FloatFormat) and np.dtype(fmt.dtype) == dtype:
-            return None
-        return fmt
+        """How a compressed leaf of ``dtype`` keeps ``u`` and ``v`` (:func:`_leaf_format`)."""
+        return _leaf_format(self.residual_format, dtype)
 
     def rounding_keys(
         self, count: jax.Array, leaf_index: int
@@ -440,3 +446,46 @@ def deep_gradient_compression(
         ),
         sgd(learning_rate),
     )
+
+
+def resize_workers(
+    state: DGCState, params: PyTree, num_workers: int, *, residual_format: Any = None
+) -> DGCState:
+    """``state`` (host arrays; ``u`` and ``v`` with a leading axis of the old workers) for
+    ``num_workers`` workers: every new worker gets the old workers' mean ``u`` and ``v``,
+    so the pending update ``mean_w v_w`` (DGC §3.1) is kept.
+
+    ``params`` (or their ``ShapeDtypeStruct``s) give the leaves' shapes and dtypes, and
+    ``residual_format`` is the one ``state`` was written with (:func:`dgc_memory`'s): kept
+    values are decoded, averaged in float32 or wider and encoded again (stochastic rounding
+    with a fixed key: every call gives the same bits). The count and the dense leaves'
+    replicated momentum are returned as they are.
+    """
+    fmt = _check_format(residual_format)
+    leaves, treedef = jax.tree.flatten(params)
+
+    def mean(stored: Any, like: Any) -> Any:
+        if isinstance(stored, optax.MaskedNode):
+            return stored
+        shape, dtype = tuple(np.shape(like)), np.dtype(like.dtype)
+        wide = np.promote_types(dtype, np.float32)
+        leaf_fmt = _leaf_format(fmt, dtype)
+        workers = jax.tree.leaves(stored)[0].shape[0]
+        if leaf_fmt is None:
+            kept = np.asarray(stored).astype(wide).mean(0).astype(np.asarray(stored).dtype)
+        else:
+            values = [
+                np.asarray(leaf_fmt.decode(jax.tree.map(lambda x, w=w: x[w], stored), shape, wide))
+                for w in range(workers)
+            ]
+            key = jax.random.PRNGKey(0) if leaf_fmt.stochastic else None
+            kept = jax.device_get(leaf_fmt.encode(jnp.asarray(np.mean(values, 0)), key))
+        return jax.tree.map(
+            lambda x: np.ascontiguousarray(np.broadcast_to(x, (num_workers, *np.shape(x)))), kept
+        )
+
+    def buffers(tree: PyTree) -> PyTree:
+        stored = treedef.flatten_up_to(tree)
+        return treedef.unflatten([mean(s, x) for s, x in zip(stored, leaves, strict=True)])
+
+    return state._replace(momentum=buffers(state.momentum), velocity=buffers(state.velocity))

@@ -348,3 +348,76 @@ def test_a_quantized_dgc_run_resumes_and_restores_bit_identically(tmp_path, name
     chex.assert_trees_all_equal(
         train.final_state(str(tmp_path / "full")), train.final_state(str(tmp_path / "split"))
     )
+
+
+# --------------------------------------------------------------------------------------
+# A change of the worker count
+
+
+def _worker_values(stored, w: int, fmt, shape) -> np.ndarray:
+    """Worker ``w``'s buffer as float32 (block codes decoded by :func:`_np_decode`)."""
+    if isinstance(fmt, residual_formats.BlockFormat):
+        return _np_decode(jax.tree.map(lambda x: x[w], stored), fmt.codes, shape)
+    return np.asarray(stored[w], np.float32)
+
+
+@pytest.mark.parametrize("name", [None, "bfloat16", "int8", "int4/64/stochastic"])
+def test_resize_workers_gives_every_new_worker_the_old_mean(name):
+    _, state = th.run_shard_map(_dgc(name), _params(), _grads(3, seed=4), WORKERS)
+    host = jax.tree.map(np.asarray, state)
+    resized = rr.dgc.resize_workers(host, _params(), 2, residual_format=name)
+    again = rr.dgc.resize_workers(host, _params(), 2, residual_format=name)
+    chex.assert_trees_all_equal(resized, again)
+    assert resized.count is host.count and resized.dense_momentum is host.dense_momentum
+    fmt = residual_formats.parse_format(name or "float32")
+    for buffer in ("momentum", "velocity"):
+        for k in ("a", "b"):
+            old, new = getattr(host, buffer)[k], getattr(resized, buffer)[k]
+            assert jax.tree.leaves(new)[0].shape[0] == 2
+            mean = np.mean(
+                [_worker_values(old, w, fmt, SHAPES[k]) for w in range(WORKERS)],
+                0,
+                dtype=np.float64,
+            )
+            for w in range(2):
+                got = _worker_values(new, w, fmt, SHAPES[k])
+                if isinstance(fmt, residual_formats.BlockFormat):
+                    bound = _np_bound(mean.astype(np.float32), fmt)
+                else:
+                    bound = np.abs(mean) * (2.0**-8 if name == "bfloat16" else 2.0**-23)
+                assert (np.abs(got - mean) <= bound * (1 + 1e-3) + 1e-7).all(), (buffer, k, w)
+
+
+def test_a_quantized_dgc_checkpoint_restores_and_trains_on_fewer_workers(tmp_path):
+    from tests.test_train import restore_checkpoint
+    from train import train
+
+    workdir = str(tmp_path / "run")
+    config = _digits(**{"compression.residual_format": "int8"})
+    train.train_and_evaluate(config, workdir, halt_after_step=4)
+    old = restore_checkpoint(workdir, config, 4)
+    fewer = _digits(**{"compression.residual_format": "int8"})
+    fewer.num_workers, fewer.batch_size_per_worker = 4, 2 * config.batch_size_per_worker
+    new = restore_checkpoint(workdir, fewer, 4)
+    is_dgc = lambda x: isinstance(x, rr.DGCState)
+    (before,) = [x for x in jax.tree.leaves(old["opt_state"], is_leaf=is_dgc) if is_dgc(x)]
+    (after,) = [x for x in jax.tree.leaves(new["opt_state"], is_leaf=is_dgc) if is_dgc(x)]
+    path = "hidden_1"
+    stored_old, stored_new = before.velocity[path]["kernel"], after.velocity[path]["kernel"]
+    assert stored_old.codes.shape[0] == 8 and stored_new.codes.shape[0] == 4
+    shape = (256, 256)
+    mean = np.mean(
+        [
+            _np_decode(jax.tree.map(lambda x, w=w: x[w], stored_old), "int8", shape)
+            for w in range(8)
+        ],
+        0,
+        dtype=np.float64,
+    )
+    assert (mean != 0).any()
+    for w in range(4):
+        got = _np_decode(jax.tree.map(lambda x, w=w: x[w], stored_new), "int8", shape)
+        half = np.repeat(np.asarray(stored_new.scales)[w], 256).reshape(shape) / 2
+        assert (np.abs(got - mean) <= half * (1 + 1e-5) + 1e-12).all(), w
+    fewer.on_worker_change = "average"
+    assert train.train_and_evaluate(fewer, workdir, halt_after_step=6).step == 6

@@ -281,6 +281,8 @@ def worker_redistribution(run: Run, abstract_params):
     """
     plan = exchange_plan(run, abstract_params)
     is_exchange = lambda x: isinstance(x, rr.ExchangeState)
+    is_dgc = lambda x: isinstance(x, rr.DGCState)
+    residual_format = run.config.compression.get("residual_format", "") or None
 
     def redistribute(opt_state, specs, num_workers, saved_local_devices=None):
         saved = layout_plan(run.config, abstract_params, saved_local_devices)
@@ -288,9 +290,13 @@ def worker_redistribution(run: Run, abstract_params):
         def node(x, spec):
             if is_exchange(x):
                 return rr.exchange.resize_workers(x, spec, saved, num_workers, new_plan=plan)
+            if is_dgc(x):  # u and v decoded, averaged, encoded again
+                return rr.dgc.resize_workers(
+                    x, abstract_params, num_workers, residual_format=residual_format
+                )
             return checkpointing.mean_per_worker(x, spec, num_workers)
 
-        return jax.tree.map(node, opt_state, specs, is_leaf=is_exchange)
+        return jax.tree.map(node, opt_state, specs, is_leaf=lambda x: is_exchange(x) or is_dgc(x))
 
     return redistribute
 
