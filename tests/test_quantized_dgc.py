@@ -6,6 +6,7 @@ and scales bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import chex
@@ -328,6 +329,17 @@ def test_a_quantized_dgc_run_resumes_and_restores_bit_identically(tmp_path, name
 
     config = _digits(**{"compression.residual_format": name})
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    # The memory report's residuals are v's codes and scales, by hand: hidden_0's 64 x 256
+    # kernel and hidden_1..3's 256 x 256 are compressed (the rest is under min_size).
+    block = residual_formats.parse_format(name).block_size
+    code_bytes = block // 2 if name.startswith("int4") else block
+    v_bytes = (16_384 // block + 3 * 65_536 // block) * (code_bytes + 4)
+    assert v_bytes == {"int8": 216_320, "int4/64/stochastic": 119_808}[name]
+    with open(tmp_path / "full" / train.SUMMARY_FILE) as f:
+        written = json.load(f)["memory"]
+    for memory in (full.memory, written):
+        assert memory["reduced"]["residuals"] == memory["residual_bytes_per_device"] == v_bytes
+        assert memory["reduced"]["optimizer"] >= v_bytes  # u, as many bytes
     first = train.train_and_evaluate(config, str(tmp_path / "split"), halt_after_step=5)
     assert first.preempted
     saved = train.final_state(str(tmp_path / "split"))
