@@ -359,8 +359,8 @@ def dgc_memory(
     dgc_memory(...), sgd(lr))``.
 
     Not combinable with ResiReduce's shared or intra-layer residuals: momentum correction
-    needs each leaf's own ``u``, and a shared ``v`` would mix layers' velocities (module
-    docstring).
+    needs each leaf's own ``u``, and a shared ``v`` would mix layers' velocities
+    (docs/design.md, "DGC's memory (dgc.py)").
 
     Args:
       compressor: a sparsifying compressor (``topk``, ``fast_topk``, ``randomk`` unscaled,
