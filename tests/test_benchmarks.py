@@ -148,9 +148,29 @@ def test_with_variant_spells_bf16_residuals():
         "float8_e4m3fn",
     )
     assert compiled_step.variant_label(float8) == "ef+f8"
-    for wrong in ("w+3d", "w+2d+f8+bf16"):
+    for wrong in ("w+3d", "w+2d+f8+bf16", "ef+int5", "ef+int4/0"):
         with pytest.raises(ValueError, match="variant"):
             compiled_step.with_variant(config, wrong)
+
+
+@pytest.mark.parametrize(
+    ("variant", "store", "residual_format"),
+    [("ef+int4", "ef", "int4"), ("w+2d+int8", "w+2d", "int8"),
+     ("2d+int4/64/stochastic", "2d", "int4/64/stochastic"), ("w+float8", "w", "float8")],
+)  # fmt: skip
+def test_with_variant_spells_residual_formats(variant, store, residual_format):
+    """'+<format>' sets compression.residual_format (and clears a cast), and the label
+    gives the variant back; the config validates."""
+    from train import config_schema
+
+    start = compiled_step.with_variant(common.load_config("byte_gpt"), "w+2d+bf16")
+    config = compiled_step.with_variant(start, variant)
+    assert config.compression.variant == store
+    assert config.compression.residual_format == residual_format
+    assert config.compression.residual_dtype == ""
+    assert compiled_step.variant_label(config) == variant
+    config_schema.validate(config)
+    assert compiled_step.with_variant(config, store).compression.residual_format == ""
 
 
 def test_compiled_step_peak_is_memory_analysis_sum():

@@ -22,6 +22,7 @@ from resireduce_jax import hlo, planner
 from resireduce_jax.planner import Candidate, Compiled
 from resireduce_jax.planner.batch_search import _next_probe
 from tests.test_cli import run_cli
+from train import compiled_step, config_schema
 
 GiB, MiB = 2**30, 2**20
 
@@ -154,7 +155,7 @@ class RematCompiler:
         return plain if plain.peak_bytes <= budget_bytes else self.leanest(candidate, batch)
 
 
-GRID = planner.candidate_grid(remats=("none",))
+GRID = planner.candidate_grid(("ef", "w+2d", "w+2d+bf16"), remats=("none",))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,7 @@ def test_the_small_model_spans_a_range_of_peaks(peaks):
 def test_fit_chooses_the_fastest_candidate_that_fits(peaks):
     ordered = sorted(set(peaks.values()))
     budget = ordered[len(ordered) // 2]  # some fit, some do not
-    result = planner.fit(GRID, compile_fn, budget, batch_per_worker=64)
+    result = planner.fit(GRID, compile_fn, budget, batch_per_worker=64, prefer="speed")
     assert result.budget_bytes == budget
     assert [r.candidate for r in result.rows] == GRID
     for row in result.rows:
@@ -187,6 +188,30 @@ def test_fit_chooses_the_fastest_candidate_that_fits(peaks):
     assert data["chosen"]["peak_bytes"] == chosen.compiled.peak_bytes
     assert all({"peak_bytes", "fits"} <= set(row) for row in data["candidates"])
     assert "*" in result.table()
+
+
+@pytest.mark.parametrize("budget_index", [0, 1, 2, 3, 4, 5])
+def test_fit_prefers_the_first_exchange_that_fits(peaks, budget_index):
+    """prefer="accuracy" (the default): by brute force over the table, the fastest fitting
+    row of the first exchange, in the candidates' order, that has a fitting row."""
+    ordered = sorted(set(peaks.values()))
+    budget = ordered[min(budget_index, len(ordered) - 1)]
+    result = planner.fit(GRID, compile_fn, budget, batch_per_worker=64)
+    device = planner.DeviceModel()
+    fitting = [c for c in GRID if peaks[c] <= budget]
+    first = next(c.exchange for c in GRID if c in fitting)
+    best = min(
+        (c for c in fitting if c.exchange == first),
+        key=lambda c: device.step_seconds(Compiled.from_program(_program(c, 64))),
+    )
+    assert result.chosen.candidate.exchange == first
+    assert result.chosen.step_seconds == pytest.approx(
+        device.step_seconds(Compiled.from_program(_program(best, 64)))
+    )
+    speed = planner.fit(GRID, compile_fn, budget, batch_per_worker=64, prefer="speed")
+    assert speed.chosen.step_seconds <= result.chosen.step_seconds
+    with pytest.raises(ValueError, match="prefer='fast'"):
+        planner.fit(GRID, compile_fn, budget, batch_per_worker=64, prefer="fast")
 
 
 def test_a_candidate_that_does_not_fit_is_never_chosen(peaks):
@@ -295,13 +320,19 @@ def test_plan_only_writes_the_table_and_exits(tmp_path):
     budget = plan["budget_bytes"]
     assert budget == int(3.4 * MiB)
     rows = plan["candidates"]
-    assert len(rows) == 6  # ef / w+2d / w+2d+bf16 x optax sgd / skip-aware sgd (no chain)
+    # planner.EXCHANGES x optax sgd / skip-aware sgd (no chain)
+    assert len(rows) == 2 * len(planner.EXCHANGES)
     for row in rows:
         assert row["fits"] == (row["peak_bytes"] <= budget)
     chosen = plan["chosen"]
     assert chosen["fits"] and chosen["peak_bytes"] <= budget
-    fastest = min(r["step_time_estimate_s"] for r in rows if r["fits"])
+    # The first exchange with a fitting row (most accurate first), its fastest row.
+    first = next(r["exchange"] for r in rows if r["fits"])
+    assert chosen["exchange"] == first
+    fastest = min(r["step_time_estimate_s"] for r in rows if r["fits"] and r["exchange"] == first)
     assert chosen["step_time_estimate_s"] == fastest
+    planned = compiled_step.with_variant(config_schema.base_config(), first).compression
+    assert plan["planned"]["compression.residual_format"] == planned.residual_format
     assert plan["planned"]["optimizer.name"] in ("sgd", "optax.sgd")
     assert not (workdir / "checkpoints").exists()  # nothing trained
     assert "Memory plan" in result.stdout and os.path.basename(str(workdir)) in result.stdout

@@ -45,7 +45,6 @@ __all__ = [
     "dataset_kind",
     "memory_report",
     "report_row",
-    "split_variant",
     "state_bytes",
     "use_compilation_cache",
     "variant_label",
@@ -56,34 +55,8 @@ __all__ = [
 AXIS = "data"  # train.train.AXIS
 # compile_step(density_phase=SWITCH_PHASES): no static phase, the exchange's lax.switch.
 SWITCH_PHASES = "switch"
-# Variant suffixes for residuals stored in a narrower dtype than the gradients' (a cast);
-# any other "+<format>" suffix is a compression.residual_format ("ef+int4/64/stochastic").
-RESIDUAL_DTYPE_SUFFIXES = {"+bf16": "bfloat16", "+f8": "float8_e4m3fn"}
-_SUFFIX_OF_DTYPE = {dtype: suffix for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items()}
+_SUFFIX_OF_DTYPE = {dtype: s for s, dtype in config_schema.RESIDUAL_DTYPE_SUFFIXES.items()}
 MiB = 2**20
-
-
-def split_variant(variant: str) -> tuple[str, str, str]:
-    """``"w+2d+int4"`` -> ``("w+2d", "", "int4")``, ``"ef+bf16"`` -> ``("ef", "bfloat16",
-    "")``: the exchange variant, its ``residual_dtype`` and its ``residual_format``."""
-    for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items():
-        if variant.endswith(suffix) and variant.removesuffix(suffix) in config_schema.VARIANTS:
-            return variant.removesuffix(suffix), dtype, ""
-    if variant in config_schema.VARIANTS:
-        return variant, "", ""
-    base, sep, residual_format = variant.rpartition("+")
-    if sep and base in config_schema.VARIANTS and residual_format:
-        if config_schema.RESIDUAL_FORMAT.fullmatch(residual_format) is None:
-            raise ValueError(
-                f"variant {variant!r}: {residual_format!r} is not a residual format; choose "
-                "'int8', 'float8', 'int4', 'bfloat16' or 'float32', optionally with a block "
-                "size and rounding, e.g. 'ef+int4/64/stochastic'."
-            )
-        return base, "", residual_format
-    raise ValueError(
-        f"variant {variant!r}; choose one of {list(config_schema.VARIANTS)}, optionally with "
-        f"one of {list(RESIDUAL_DTYPE_SUFFIXES)} or '+<residual format>' (e.g. 'ef+int4')."
-    )
 
 
 def with_variant(
@@ -96,7 +69,7 @@ def with_variant(
     config = config.copy_and_resolve_references()
     if variant is None:
         return config
-    variant, residual_dtype, residual_format = split_variant(variant)
+    variant, residual_dtype, residual_format = config_schema.split_variant(variant)
     with config.unlocked():
         config.compression.residual_dtype = residual_dtype
         config.compression.residual_format = residual_format

@@ -30,6 +30,7 @@ __all__ = [
     "model_overrides",
     "parse_memory_budget",
     "parse_variant",
+    "split_variant",
     "validate",
 ]
 
@@ -42,6 +43,9 @@ RESIDUAL_DTYPES = ("", "float32", "bfloat16", "float16", FLOAT8)
 RESIDUAL_FORMAT = re.compile(
     r"|float32|bfloat16|float16|(int8|float8|int4)(/[1-9]\d*(/(nearest|stochastic))?)?"
 )
+# Variant suffixes for residuals cast to a narrower dtype than the gradients'; any other
+# "+<format>" suffix is a compression.residual_format ("ef+int4/64/stochastic").
+RESIDUAL_DTYPE_SUFFIXES = {"+bf16": "bfloat16", "+f8": "float8_e4m3fn"}
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
 
 
@@ -163,9 +167,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.memory = ml_collections.ConfigDict()
     # Fit the run into a per-worker memory budget ("12GiB", "8 GB", bytes; None = no
     # planning): before training, the planner (train/memory_plan.py) compiles the step with
-    # each residual variant (EF, w+2d, w+2d+bf16), optimizer (optax's, memory-reduced) and
-    # remat plan, and trains the fastest whose compiled peak fits.
+    # each residual variant of memory.exchanges, optimizer (optax's, memory-reduced) and
+    # remat plan, and trains the fastest whose compiled peak fits (memory.prefer).
     c.memory.budget = config_dict.placeholder(str)
+    # The residual variants the planner tries, most accurate first, e.g. ("ef", "ef+int8",
+    # "w+2d"); () = resireduce_jax.planner.EXCHANGES.
+    c.memory.exchanges = ()
+    # "accuracy": the fastest fitting configuration of the first exchange that has one (a
+    # lossy residual only where no more accurate one fits); "speed": the fastest of all.
+    c.memory.prefer = "accuracy"
     # Threads compiling the planner's candidates at once (XLA compiles release the GIL);
     # 0 = the cores no other process is using (os.getloadavg), at least 1.
     c.memory.compile_threads = 0
@@ -215,6 +225,29 @@ def parse_variant(variant: str) -> tuple[str, str]:
                 f"compression.variant={variant!r} is unknown; choose one of {list(VARIANTS)}."
             )
     return inter, intra
+
+
+def split_variant(variant: str) -> tuple[str, str, str]:
+    """``"w+2d+int4"`` -> ``("w+2d", "", "int4")``, ``"ef+bf16"`` -> ``("ef", "bfloat16",
+    "")``: the exchange variant, its ``residual_dtype`` and its ``residual_format``."""
+    for suffix, dtype in RESIDUAL_DTYPE_SUFFIXES.items():
+        if variant.endswith(suffix) and variant.removesuffix(suffix) in VARIANTS:
+            return variant.removesuffix(suffix), dtype, ""
+    if variant in VARIANTS:
+        return variant, "", ""
+    base, sep, residual_format = variant.rpartition("+")
+    if sep and base in VARIANTS and residual_format:
+        if RESIDUAL_FORMAT.fullmatch(residual_format) is None:
+            raise ValueError(
+                f"variant {variant!r}: {residual_format!r} is not a residual format; choose "
+                "'int8', 'float8', 'int4', 'bfloat16' or 'float32', optionally with a block "
+                "size and rounding, e.g. 'ef+int4/64/stochastic'."
+            )
+        return base, "", residual_format
+    raise ValueError(
+        f"variant {variant!r}; choose one of {list(VARIANTS)}, optionally with "
+        f"one of {list(RESIDUAL_DTYPE_SUFFIXES)} or '+<residual format>' (e.g. 'ef+int4')."
+    )
 
 
 def _check(condition: bool, message: str) -> None:
@@ -461,6 +494,26 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             not c.remat.budget,
             f"memory.budget={c.memory.budget!r} plans activation checkpointing itself; unset "
             f"remat.budget={c.remat.budget!r} (or memory.budget).",
+        )
+    _check(
+        c.memory.prefer in ("accuracy", "speed"),
+        f"memory.prefer={c.memory.prefer!r}; choose 'accuracy' or 'speed'.",
+    )
+    _check(
+        isinstance(c.memory.exchanges, tuple | list)
+        and all(isinstance(e, str) for e in c.memory.exchanges),
+        f"memory.exchanges must be a list of residual variants such as ['ef', 'ef+int8'], got "
+        f"{c.memory.exchanges!r}.",
+    )
+    for exchange in c.memory.exchanges:
+        try:
+            variant = split_variant(exchange)[0]
+        except ValueError as error:
+            raise ConfigError(f"memory.exchanges: {error}") from None
+        _check(
+            variant not in ("dense", "none", "dgc"),
+            f"memory.exchanges={list(c.memory.exchanges)!r}: {exchange!r} keeps no residuals "
+            "for the planner to reduce; list residual variants (ef, w+2d, ... with a format).",
         )
     _check(
         isinstance(c.memory.compile_threads, int)

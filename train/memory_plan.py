@@ -2,7 +2,8 @@
 
 resireduce_jax.planner chooses from compiled peaks but cannot build a train step.
 StepCompiler compiles the program's own step, from abstract shapes, for each candidate.
-Candidates: exchange (ef, w+2d, w+2d+bf16), optimizer (optax's or the R one), remat.
+Candidates: exchange (memory.exchanges: residual stores and formats), optimizer (optax's or
+the R one), remat.
 The rotor search compiles few plans, predicting the others from those already compiled.
 With a density schedule a configuration fits only when every phase fits.
 plan_for_training and plan_only (python -m train --plan_only) print the table.
@@ -129,7 +130,8 @@ class StepCompiler:
       config: the run's config (its ``compression``, ``optimizer`` and ``model``).
       num_workers: workers of the compiled mesh (default ``config.num_workers``).
       seq_len: tokens per sequence of language models (default: the model's).
-      exchanges: the residual variants to try where the config keeps residuals.
+      exchanges: the residual variants to try where the config keeps residuals, most
+        accurate first (default: ``memory.exchanges``, else ``planner.EXCHANGES``).
       max_plan_compiles: step compilations a rotor search may spend after the
         no-checkpoint and the leanest plan.
       guard: compile with ``skip_nonfinite`` (the program always trains guarded).
@@ -146,7 +148,7 @@ class StepCompiler:
         *,
         num_workers: int | None = None,
         seq_len: int = 0,
-        exchanges: Sequence[str] = planner.EXCHANGES,
+        exchanges: Sequence[str] | None = None,
         max_plan_compiles: int = 4,
         guard: bool = True,
         slots: int = 500,
@@ -167,6 +169,7 @@ class StepCompiler:
         self.optimizers = optimizer_names(config.optimizer.name)
         own = compiled_step.variant_label(self.config)
         self.whole_model_topk = self.config.compression.get("selection_scope") == "global"
+        exchanges = exchanges or self.config.memory.get("exchanges") or planner.EXCHANGES
         self.exchanges = (own,) if config.compression.variant in _NO_RESIDUALS else tuple(exchanges)
         self.remat_note = _no_chain_reason(self.task.model_config)
         self.chain_model = self.remat_note is None
@@ -753,6 +756,7 @@ def _planned_overrides(compiler: StepCompiler, row: planner.Row) -> dict[str, An
     return {
         "compression.variant": config.compression.variant,
         "compression.residual_dtype": config.compression.residual_dtype,
+        "compression.residual_format": config.compression.residual_format,
         "optimizer.name": config.optimizer.name,
         "remat_plan": row.compiled.settings.get("remat_plan"),
     }
@@ -803,6 +807,7 @@ def _plan(
             batch_per_worker=config.batch_size_per_worker,
             progress=progress,
             threads=planner.compile_threads(config.memory.compile_threads),
+            prefer=config.memory.get("prefer", "accuracy"),
         )
     except planner.BudgetError as error:
         raise config_schema.ConfigError(

@@ -1,6 +1,7 @@
 """Fitting a training step into a memory budget, from compiled peaks.
 
-:func:`fit` chooses the fastest candidate configuration whose compiled peak fits a budget;
+:func:`fit` chooses the fastest candidate configuration whose compiled peak fits a budget
+(of the most accurate exchange that fits, by default);
 :func:`largest_batch` finds each candidate's largest batch that fits. The planner takes
 candidates and a compiler, and knows nothing about training. One module per concern:
 ``budget``, ``candidates``, ``compiled``, ``bounds``, ``compile_cache``, ``tables``,
@@ -24,13 +25,14 @@ from resireduce_jax.planner.compile_cache import (
     compile_threads,
 )
 from resireduce_jax.planner.compiled import Compiled, DeviceModel
-from resireduce_jax.planner.fitting import BudgetError, FitResult, fit
+from resireduce_jax.planner.fitting import PREFERENCES, BudgetError, FitResult, fit
 from resireduce_jax.planner.tables import Row
 
 __all__ = [
     "EXCHANGES",
     "OPTIMIZERS",
     "PREDICTION_MARGIN",
+    "PREFERENCES",
     "REMATS",
     "BatchSearch",
     "BudgetError",

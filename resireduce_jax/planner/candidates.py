@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-#: Residual variants the planner tries by default: plain error feedback, ResiReduce w+2d,
-#: and w+2d with residuals stored in bfloat16 (the training program's vocabulary).
-EXCHANGES = ("ef", "w+2d", "w+2d+bf16")
+#: Residual variants the planner tries by default, most accurate first (the order
+#: ``fit(prefer="accuracy")`` ranks them in; the training program's vocabulary): plain
+#: error feedback, its residuals in int8 and int4 codes with a scale per block, and
+#: ResiReduce w+2d in int4, the smallest. The frontier they come from:
+#: benchmarks/results/accuracy_formats/accuracy.md (w+2d in float32 or bfloat16 keeps more
+#: bytes than EF in int4 and is less accurate, so it is not tried unless named).
+EXCHANGES = ("ef", "ef+int8", "ef+int4", "w+2d+int4")
 #: The optimizer as configured by its original library (optax), or the memory-reduced one.
 OPTIMIZERS = ("original", "r")
 #: No activation checkpointing, or the fastest rotor plan that fits (chain models only).
@@ -24,7 +28,7 @@ class Candidate:
 
     Attributes:
       exchange: the residual variant, in the training program's vocabulary (``"ef"``,
-        ``"w+2d"``, ``"w+2d+bf16"``, ...).
+        ``"w+2d"``, ``"w+2d+bf16"``, ``"ef+int4"``: a store and its residual format).
       optimizer: ``"original"`` (optax's) or ``"r"`` (this library's memory-reduced one).
       remat: ``"none"``, or ``"rotor"``: the fastest rotor checkpointing plan that fits
         the budget, so the candidate's compiled program depends on the budget.

@@ -86,10 +86,30 @@ class FitResult:
         return self.table()
 
 
-def _fastest(rows: Iterable[Row]) -> Row | None:
-    """The fitting row with the smallest step estimate (then peak, then table order)."""
-    fitting = [(r.step_seconds, r.compiled.peak_bytes, i, r) for i, r in enumerate(rows) if r.fits]
-    return min(fitting, key=lambda t: t[:3])[3] if fitting else None
+#: How :func:`fit` chooses among the fitting candidates: ``"accuracy"``, the fastest of the
+#: first exchange (in the candidates' order: the most accurate first) with any; ``"speed"``,
+#: the fastest of all.
+PREFERENCES = ("accuracy", "speed")
+
+
+def _ranking(candidates: Sequence[Candidate], prefer: str) -> Callable[[Row], tuple]:
+    """A row's sort key: its exchange's place among ``candidates`` (``prefer="accuracy"``;
+    0 for ``"speed"``), step estimate, peak, table order."""
+    tiers: dict[str, int] = {}
+    for c in candidates:
+        tiers.setdefault(c.exchange, len(tiers))
+    order = {c: i for i, c in enumerate(candidates)}
+
+    def rank(row: Row) -> tuple:
+        tier = tiers[row.candidate.exchange] if prefer == "accuracy" else 0
+        return (tier, row.step_seconds, row.compiled.peak_bytes, order[row.candidate])
+
+    return rank
+
+
+def _best(rows: Iterable[Row], rank: Callable[[Row], tuple]) -> Row | None:
+    """The fitting row that ranks first, or ``None``."""
+    return min((r for r in rows if r.fits), key=rank, default=None)
 
 
 def fit(
@@ -101,8 +121,16 @@ def fit(
     device: DeviceModel | None = None,
     progress: Callable[..., Any] | None = None,
     threads: int = 1,
+    prefer: str = "accuracy",
 ) -> FitResult:
     """The fastest candidate whose compiled peak fits ``budget``, with the full table.
+
+    With ``prefer="accuracy"`` (the default) the exchanges rank first, in the order they
+    first appear in ``candidates``: the fastest fitting candidate of the first exchange that
+    has one. Memory-reduced optimizers and activation checkpointing change no update, a
+    narrower residual format or a shared store does, so list the exchanges most accurate
+    first (:data:`EXCHANGES` is): a lossy exchange is chosen only where no more accurate one
+    fits. ``prefer="speed"`` takes the fastest of all.
 
     Every candidate is compiled once (abstract shapes: nothing is allocated or run); an
     adaptive candidate (activation checkpointing) is compiled with its fastest
@@ -133,6 +161,7 @@ def fit(
       progress: a ``tqdm.tqdm``-like bar factory, called with ``total=``, ``initial=``
         (candidates ruled out by their bounds), ``desc=`` and ``unit=``.
       threads: candidates compiled at once (see :func:`compile_threads`).
+      prefer: ``"accuracy"`` or ``"speed"`` (above).
 
     Returns:
       A :class:`FitResult`; ``chosen.compiled.peak_bytes <= budget_bytes`` over every
@@ -146,6 +175,9 @@ def fit(
     budget_bytes = parse_budget(budget)
     if not candidates:
         raise ValueError("fit() needs at least one candidate.")
+    if prefer not in PREFERENCES:
+        raise ValueError(f"fit(prefer={prefer!r}); choose one of {list(PREFERENCES)}.")
+    rank = _ranking(candidates, prefer)
     device = device or DeviceModel()
     compiler = _cached(compile_fn)
     batch = batch_per_worker
@@ -169,19 +201,19 @@ def fit(
     bar = _bar(progress, len(candidates), len(rows), "planning")
     try:
         rows.update(_run_all(plan, pending, threads, bar))
-        # Judged by their last phase so far: the other phases of the fastest candidate are
+        # Judged by their last phase so far: the other phases of the best candidate are
         # compiled (and its search redone over every phase where one does not fit) until
-        # the fastest one fits in every phase. No slower candidate can beat it: a
+        # the best one fits in every phase. No candidate ranked below it can beat it: a
         # configuration that fits in every phase fits in its last.
-        while (chosen := _fastest(rows[c] for c in candidates)) is not None:
+        while (chosen := _best((rows[c] for c in candidates), rank)) is not None:
             unchecked = [
                 r
                 for r in rows.values()
-                if r.fits and not r.compiled.all_phases and r.step_seconds <= chosen.step_seconds
+                if r.fits and not r.compiled.all_phases and rank(r)[:2] <= rank(chosen)[:2]
             ]
             if not unchecked:
                 break
-            for r in unchecked:  # the fastest, and any tied with it
+            for r in unchecked:  # the best, and any tied with it
                 compiled = compiler.fastest_fitting(r.candidate, batch, budget_bytes)
                 rows[r.candidate] = _row(r.candidate, batch, compiled, budget_bytes, device)
     finally:
