@@ -361,9 +361,14 @@ class _Exchange:
         *,
         skip=None,
         density_phase: int | None = None,
+        carry: stores.Carry | None = None,
         **extra_args,
     ):
         """One exchange. ``skip``: optional boolean scalar, equal on every worker.
+
+        ``carry``: the stores of ``carry.leaves`` keep the exchange's output carried into
+        their residual (:class:`~resireduce_jax.residual_stores.Carry`, the one-buffer
+        compressed momentum); only stores that can carry accept it (``ValueError``).
 
         ``density_phase``: a Python int, the phase of the compressor's density schedule to
         compile statically (one program per phase, each with its own compiled peak);
@@ -381,6 +386,8 @@ class _Exchange:
         check_local_gradients(updates, self.worker_axes, self.name)
         local_size = self._local_size()
         plan = self.plan(updates, local_size=local_size)
+        if carry is not None:
+            _check_carry(self.name, plan, carry, self.selection_scope)
         units = plan.layout.units
         leaves, treedef = jax.tree.flatten(updates)
         cstates = treedef.flatten_up_to(state.compressor_state)
@@ -404,6 +411,7 @@ class _Exchange:
             # otherwise (no local axis, or one of size 1) they cross every worker axis.
             payload_axes=self.axis_name if local_size > 1 else self.worker_axes,
             zero_stores=self._zero_stores(density_phase),
+            carry=carry,
         )
         sent, residuals, partial_sums = _stacks_pass(step, leaves, cstates, state.residuals)
         if self.selection_scope == "global" and plan.stores:
@@ -449,10 +457,36 @@ class _Exchange:
 
 class _Sent(NamedTuple):
     """What the exchange gives back for one leaf: its mean and its compressor state, both
-    as they are after a skipped step where ``skip`` holds."""
+    as they are after a skipped step where ``skip`` holds; ``local``: the mean in the
+    store's coordinates (a shard's), before a skip zeroes it (what a :class:`Carry` adds)."""
 
     mean: jax.Array
     cstate: Any
+    local: jax.Array | None = None
+
+
+def _check_carry(name: str, plan: ExchangePlan, carry: stores.Carry, scope: str) -> None:
+    """A :class:`~resireduce_jax.residual_stores.Carry` names leaves whose stores all carry."""
+    refused = sorted(carry.leaves - plan.carriable_leaves)
+    if scope != "leaf" or refused:
+        kinds = sorted(
+            {type(p).__name__ for p in plan.stores if not p.carries}
+            | ({"dense leaves"} if plan.dense else set())
+        )
+        found = f"selection_scope={scope!r}" if scope != "leaf" else f"leaves {refused}"
+        raise ValueError(
+            f"{name}: the one-buffer momentum lives in a leaf's own residual store (kind "
+            f"'leaf': error_feedback, or resireduce's singleton groups without intra-layer "
+            f"storage, selection_scope='leaf'); {found} are kept otherwise (this plan also "
+            f"has {kinds}). Use one_buffer=False (two buffers) for such stores."
+        )
+
+
+def _held(hold: Any, held: Any, value: Any) -> Any:
+    """``held`` where ``hold`` (a Python or traced bool), else ``value``; leafwise."""
+    if isinstance(hold, bool):
+        return held if hold else value
+    return jax.tree.map(lambda a, b: jnp.where(hold, a, b), held, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,6 +503,12 @@ class _Step:
     phase: jax.Array
     payload_axes: AxisName
     zero_stores: bool
+    carry: stores.Carry | None = None
+
+    def carried(self, leaf: int) -> bool:
+        """Whether ``leaf``'s stores carry its momentum (:class:`~resireduce_jax.
+        residual_stores.Carry`)."""
+        return self.carry is not None and leaf in self.carry.leaves
 
     def reduce(self, reduce_with: Callable[..., tuple], x: jax.Array, cstate: Any) -> tuple:
         """``reduce_with(compressor, x, cstate)`` in this step's density phase."""
@@ -501,10 +541,10 @@ class _Step:
             reduced = compressor.reduce(x, cstate, key, self.payload_axes, skip=residual_skip)
             return reduced.mean, reduced.residual, reduced.state
 
-        mean, residual, new_cstate = self.reduce(reduce_with, x, cstate)
-        mean = mean if shard is None else _gather_shards(shard, mean)
+        local, residual, new_cstate = self.reduce(reduce_with, x, cstate)
+        mean = local if shard is None else _gather_shards(shard, local)
         mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)
-        return residual, _Sent(mean, _where_skip(self.skip, cstate, new_cstate))
+        return residual, _Sent(mean, _where_skip(self.skip, cstate, new_cstate), local)
 
 
 class _LeafPass(NamedTuple):
@@ -551,13 +591,30 @@ def _leaf_pass(
             continue
         (i,) = store.group.members
         j = units[i].leaf
-        x = store.compensate(stored, arrays[i]) if store.keeps_residual else arrays[i]
+        hold = step.carried(j) and step.carry.hold
+        if store.keeps_residual and hold is not True:  # a carried store held: as it is
+            x = _held(hold, arrays[i], store.compensate(stored, arrays[i]))
+        else:
+            x = arrays[i]
         x, read = store.read_compensated(x, ordered_reads=True)
         r, sent[j] = step.send(i, x, cstates[j], store.residual_skip(skip))
-        if store.keeps_residual:
+        if hold is True:
+            kept[label] = stored
+        elif store.keeps_residual:
             key = functools.partial(step.selection_key, i, store)
+            if step.carried(j):
+                r = store.carry(r, sent[j].local, step.carry.factor)
             kept[label] = store.finish(r, stored, read, key, skip)
+            if step.carried(j):  # held, or skipped: the value as it was
+                kept[label] = _held(_or(hold, skip), stored, kept[label])
     return _LeafPass(sent, kept, late)
+
+
+def _or(hold: Any, skip: jax.Array | None) -> Any:
+    """``hold or skip`` (``skip``: ``None`` for no skip flag)."""
+    if skip is None:
+        return hold
+    return skip if hold is False else jnp.logical_or(hold, skip)
 
 
 def _shared_members(step, store, stored, arrays, cstates, partial_sums=()):
@@ -703,13 +760,16 @@ def _stack_pass(
         mean = dense_mean(g, exchange.worker_axes)
         return _StackPass(_Sent(_where_skip(skip, zero, mean), cstate), {}, {})
     ranges = _ranges(stack_plan)
-    as_is = step.zero_stores and not any(plan.own_residual for plan, _, _ in ranges)
+    hold = step.carried(stack.leaf) and step.carry.hold
+    as_is = hold is True or (
+        step.zero_stores and not any(plan.own_residual for plan, _, _ in ranges)
+    )
     x = jnp.moveaxis(g, stack.axis, 0)
     if shard is not None:
         x = jax.vmap(functools.partial(_node_mean_shard, shard))(x)
     reads: dict[int, Any] = {}  # what each range's store reads of G~ before it is consumed
     if not as_is:
-        x = _compensate_stack(stack_plan, residuals, x)
+        x = _held(hold, x, _compensate_stack(stack_plan, residuals, x))
         for n, (plan, start, stop) in enumerate(ranges):
             x, reads[n] = plan.read_slices(x, start, stop)
 
@@ -729,23 +789,31 @@ def _stack_pass(
         )
         return reduced.mean, reduced.residual, reduced.state
 
-    mean, residual, new_cstate = step.reduce(reduce_with, x, cstate)
+    local, residual, new_cstate = step.reduce(reduce_with, x, cstate)
+    mean = local
     if shard is not None:
         mean = jax.vmap(functools.partial(_gather_shards, shard))(mean)
     mean = jnp.moveaxis(mean, 0, stack.axis)
-    if as_is:  # zeros, kept as they are (a loose group's are kept with the group)
+    if as_is:  # zeros or held, kept as they are (a loose group's are kept with the group)
         kept = {batch.label: residuals.get(batch.label) for batch in stack_plan.batches}
         partial_sums = {}
     else:
-        kept, partial_sums = _rebuild_stores(step, stack_plan, residual, reads, residuals)
+        carried = step.carried(stack.leaf)
+        kept, partial_sums = _rebuild_stores(
+            step, stack_plan, residual, reads, residuals, local if carried else None
+        )
+        if carried:  # held, or skipped: the values as they were
+            for label in kept:
+                kept[label] = _held(_or(hold, skip), residuals[label], kept[label])
     sent = _Sent(_where_skip(skip, zero, mean), _where_skip(skip, cstate, new_cstate))
     return _StackPass(sent, kept, partial_sums)
 
 
-def _rebuild_stores(step, stack_plan, r, reads, residuals):
+def _rebuild_stores(step, stack_plan, r, reads, residuals, local=None):
     """Every batch's new residuals from its slice range of the stack's fresh residuals
     ``r``, and the loose pieces' partial sums for their groups. ``reads``: what each
-    range's store read of ``G~``."""
+    range's store read of ``G~``; ``local``: the slice-major mean that carrying batches
+    add (:class:`~resireduce_jax.residual_stores.Carry`), or ``None``."""
     units = jnp.asarray(stack_plan.stack.units, jnp.int32)
     kept: dict[str, Any] = {}
     partial_sums: dict[str, list[stores.WeightedSum]] = {}
@@ -765,6 +833,8 @@ def _rebuild_stores(step, stack_plan, r, reads, residuals):
             return jax.vmap(lambda i: step.selection_key(i, plan, purpose))(units)
 
         stored = residuals.get(batch.label)
+        if local is not None:
+            part = plan.carry(part, local[start:stop], step.carry.factor)
         kept[batch.label] = plan.finish_slices(part, reads.get(n), batch, stored, keys, step.skip)
     return kept, partial_sums
 

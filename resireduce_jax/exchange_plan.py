@@ -86,6 +86,19 @@ class ExchangePlan:
                 return plan
         return None
 
+    @functools.cached_property
+    def carriable_leaves(self) -> frozenset[int]:
+        """The leaves (``jax.tree.leaves`` order) whose every unit is in a store that can
+        carry its momentum (:attr:`~resireduce_jax.residual_stores.StorePlan.carries`)."""
+        carried: dict[int, bool] = {}
+        for plan in self.stores:
+            for i in plan.group.members:
+                leaf = self.layout.units[i].leaf
+                carried[leaf] = carried.get(leaf, True) and plan.carries
+        for i in self.dense:
+            carried[self.layout.units[i].leaf] = False
+        return frozenset(leaf for leaf, ok in carried.items() if ok)
+
     @property
     def kept(self) -> tuple[stores.StorePlan, ...]:
         """The stores that keep a residual (all but kind ``"none"``)."""

@@ -29,6 +29,7 @@ from resireduce_jax.grouping import Group
 __all__ = [
     "BlockResidual",
     "BlockStore",
+    "Carry",
     "DimensionNorms",
     "LeafStore",
     "MatrixView",
@@ -171,6 +172,9 @@ class StorePlan:
     a skipped step and holds zeros through a leading dense phase."""
     shared: ClassVar[bool] = False
     """Whether the members of a group share the residual (``"average"``, ``"weighted"``)."""
+    carries: ClassVar[bool] = False
+    """Whether the store can hold a unit's carried momentum (:class:`Carry`): only a
+    unit's own dense residual (``"leaf"``); a shared or intra-layer store cannot."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StorePlan:
         """``StorePlan(group, kind, ...)`` is an instance of the kind's class."""
@@ -234,6 +238,13 @@ class StorePlan:
     def residual_skip(self, skip: jax.Array | None) -> jax.Array | None:
         """The compressor's skip hook for this store's units (:attr:`own_residual`)."""
         return skip if self.own_residual else None
+
+    def carry(self, r: jax.Array, mean: jax.Array, factor: float) -> jax.Array:
+        """What a carrying store keeps instead of the fresh residual ``r``:
+        ``factor * mean + r`` (:class:`Carry`), rounded once by :meth:`finish` after."""
+        if not self.carries:
+            raise TypeError(f"A '{self.kind}' store cannot carry a unit's momentum.")
+        return r + factor * mean.astype(r.dtype)
 
     def finish(self, r: jax.Array, stored: Any, read: Any, key: Callable, skip: Any) -> Any:
         """The new stored residual of a singleton store from the unit's fresh residual
@@ -318,9 +329,33 @@ class NoStore(StorePlan):
 
 @dataclasses.dataclass(frozen=True)
 class LeafStore(StorePlan):
-    """The unit's own dense residual: plain error feedback (``"leaf"``)."""
+    """The unit's own dense residual: plain error feedback (``"leaf"``); it can carry the
+    unit's momentum too (:class:`Carry`)."""
 
     own_residual: ClassVar[bool] = True
+    carries: ClassVar[bool] = True
+
+
+class Carry(NamedTuple):
+    """The one-buffer compressed momentum's request to the exchange (docs/design.md,
+    "One-buffer compressed momentum"; Tang et al. 2021, §3, Algorithm 1).
+
+    The stores of ``leaves`` keep ``w = factor * mean + (G~ - D(Q(G~)))``, the exchange's
+    output (in the store's coordinates, a shard's for a sharded store) carried into the
+    residual, instead of the residual alone: one buffer for a worker's momentum and its
+    error. While ``hold`` is true (a dense warm-up) those stores are neither added to the
+    gradient nor changed: they hold what the optimizer writes. On a skipped step they keep
+    their value exactly. Only stores with :attr:`StorePlan.carries` accept it.
+
+    Attributes:
+      factor: the momentum's decay (β₁), or ``0`` for a residual of its own.
+      hold: a Python bool, or a traced bool equal on every worker.
+      leaves: indices (``jax.tree.leaves`` order) of the leaves whose stores carry.
+    """
+
+    factor: float
+    hold: Any
+    leaves: frozenset[int]
 
 
 @dataclasses.dataclass(frozen=True)
