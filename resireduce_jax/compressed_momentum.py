@@ -5,9 +5,11 @@ Convergence Speed", ICML 2021 (https://arxiv.org/abs/2102.02888), §3 and Algori
 Adam and error feedback do not commute, so Adam runs densely for a warm-up first.
 Then the second moment is frozen and each worker's momentum is sent compressed.
 The momentum error lives in the exchange's stores, so ResiReduce's stores apply to it.
+Where a leaf's store is its own (``"leaf"``), the momentum lives there too: one buffer
+``w_i = b1 m + e_i`` per worker (``one_buffer``).
 The transform replaces both the exchange and the optimizer of a chain.
 The algorithm step by step and its warm-up: docs/design.md, "Compressed-momentum Adam
-(compressed_momentum.py)".
+(compressed_momentum.py)" and "One-buffer compressed momentum".
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from resireduce_jax import carried as carried_lib
 from resireduce_jax import nonfinite
 from resireduce_jax.compressors import schedule
 from resireduce_jax.compressors.base import axis_size
@@ -40,11 +43,15 @@ from resireduce_jax.optimizers._common import (
     scalar_as,
     value_at,
 )
+from resireduce_jax.residual_stores import Carry
 
 PyTree = Any
 
 __all__ = [
     "CompressedMomentumState",
+    "FrozenNu",
+    "NuFormat",
+    "buffer_bytes",
     "compressed_momentum_adam",
     "compressed_momentum_sgd",
     "warmup_steps",
@@ -58,7 +65,9 @@ class CompressedMomentumState(NamedTuple):
     Attributes:
       count: steps taken (int32): bias correction, schedules and the warm-up's end. Not
         advanced by a skipped step.
-      mu: the first moment :math:`m`, like ``params``; replicated.
+      mu: the first moment :math:`m`, like ``params``; replicated. In the one-buffer form
+        a carried leaf's entry is an empty ``optax.MaskedNode()``: its momentum is in
+        the exchange's store (``b1 m + e_i``; :math:`m` itself during the warm-up).
       nu: the second moment :math:`v`, like ``params``; replicated, frozen after the
         warm-up.
       exchange: the exchange's state; its residuals hold each worker's momentum error.
@@ -70,6 +79,100 @@ class CompressedMomentumState(NamedTuple):
     exchange: ExchangeState
 
 
+class FrozenNu(NamedTuple):
+    """A leaf's second moment in a quantized ``frozen_nu_format``: float32 slices while
+    warm, 8-bit codes with per-block scales once frozen (Li et al., "Memory Efficient
+    Optimizers with 4-bit States", NeurIPS 2023: blocks, and no zero code where v divides).
+
+    Attributes:
+      warm: float32 ``[ceil(n / N)]``: this worker's ``1/N`` of :math:`v` during the
+        warm-up (``N`` workers); kept, unused, after the freeze.
+      codes: uint8 ``[blocks, block]``: :math:`s = \\sqrt{\\max(v, f)}` as
+        ``round(255 s / scale)`` clipped to 1 ... 255: no code decodes to zero.
+      scales: float32 ``[blocks]``: each block's largest :math:`s`.
+      floor: float32 ``[]``: :math:`f` = ``nu_floor`` times the leaf's mean :math:`v`.
+    """
+
+    warm: jax.Array
+    codes: jax.Array
+    scales: jax.Array
+    floor: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class NuFormat:
+    """8-bit codes of the frozen :math:`\\sqrt v` in blocks of ``block_size`` (one float32
+    scale each): one rounding in the whole run, at the freeze (:class:`FrozenNu`)."""
+
+    block_size: int = 256
+
+    def blocks(self, size: int) -> int:
+        return -(-size // self.block_size)
+
+    def init(self, size: int, workers: int) -> FrozenNu:
+        blocks = self.blocks(size)
+        return FrozenNu(
+            warm=jnp.zeros([-(-size // workers)], jnp.float32),
+            codes=jnp.zeros([blocks, self.block_size], jnp.uint8),
+            scales=jnp.zeros([blocks], jnp.float32),
+            floor=jnp.zeros([], jnp.float32),
+        )
+
+    def freeze(self, v: jax.Array, nu_floor: float, warm: jax.Array) -> FrozenNu:
+        """The codes of the whole float32 ``v`` (``warm``: the slice kept as it is)."""
+        v = v.astype(jnp.float32)
+        floor = nu_floor * jnp.mean(v)
+        root = jnp.sqrt(jnp.maximum(v, floor)).reshape(-1)
+        blocks = self.blocks(root.size)
+        b = jnp.pad(root, (0, blocks * self.block_size - root.size)).reshape(blocks, -1)
+        scales = jnp.max(b, axis=1)
+        safe = jnp.where(scales > 0, scales, 1.0)
+        codes = jnp.clip(jnp.round(b / safe[:, None] * 255), 1, 255).astype(jnp.uint8)
+        return FrozenNu(warm, codes, scales, floor)
+
+    def root(self, nu: FrozenNu, shape: tuple[int, ...]) -> jax.Array:
+        """:math:`\\sqrt{\\max(v, f)}` as decoded, float32, floored at :math:`\\sqrt f`."""
+        s = nu.codes.astype(jnp.float32) * (nu.scales[:, None] / 255)
+        s = s.reshape(-1)[: math.prod(shape)].reshape(shape)
+        return jnp.maximum(s, jnp.sqrt(nu.floor))
+
+
+def parse_nu_format(value: str) -> NuFormat | None:
+    """``"float32"`` (``None``: v kept as it is), ``"int8"`` or ``"int8/<block size>"``."""
+    parts = str(value).split("/")
+    if value == "float32":
+        return None
+    if parts[0] == "int8" and len(parts) <= 2 and (len(parts) == 1 or parts[1].isdigit()):
+        block = int(parts[1]) if len(parts) == 2 else 256
+        if block >= 1:
+            return NuFormat(block)
+    raise ValueError(
+        f"frozen_nu_format={value!r}: choose 'float32' or 'int8' (8-bit codes of sqrt(v), "
+        "blocks of 256), 'int8/<block size>'."
+    )
+
+
+def _tree_bytes(tree: PyTree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def buffer_bytes(state: PyTree) -> dict[str, int] | None:
+    """One worker's bytes of each buffer of the compressed-momentum states in ``state``
+    (arrays or ``jax.ShapeDtypeStruct`` s of one worker's state): ``"m"`` (the replicated
+    momentum of the leaves whose store does not carry it: all of them for two buffers),
+    ``"v"`` (the second moment) and ``"residuals"`` (the exchange's stores: ``w_i = b1 m +
+    e_i`` where carried, ``e_i`` elsewhere); ``None`` where ``state`` holds none."""
+    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CompressedMomentumState))
+    found = [x for x in found if isinstance(x, CompressedMomentumState)]
+    if not found:
+        return None
+    return {
+        "m": sum(_tree_bytes(x.mu) for x in found),
+        "v": sum(_tree_bytes(x.nu) for x in found),
+        "residuals": sum(_tree_bytes(x.exchange.residuals) for x in found),
+    }
+
+
 def _check_exchange(exchange: Any) -> None:
     if not isinstance(exchange, ExchangeTransformation) or not hasattr(
         exchange._core, "compressor"
@@ -78,6 +181,12 @@ def _check_exchange(exchange: Any) -> None:
             "A compressed-momentum optimizer takes an exchange transform (error_feedback, "
             f"resireduce or compressed_mean), got {exchange!r}."
         )
+
+
+def _check_one_buffer(one_buffer: bool | None) -> bool | None:
+    if one_buffer not in (None, True, False):
+        raise ValueError(f"one_buffer must be None, True or False, got {one_buffer!r}.")
+    return one_buffer
 
 
 def warmup_steps(exchange: ExchangeTransformation) -> int | None:
@@ -119,6 +228,8 @@ class _CompressedMomentum:
     max_grad_norm: float | None
     nu_floor: float
     compressed: str = "momentum"  # or "update": the momentum divided by sqrt(v_hat) + eps
+    one_buffer: bool | None = False  # None: wherever the stores carry (Carry)
+    nu_format: NuFormat | None = None  # the frozen v's codes (None: float32 throughout)
 
     # The exchange's plan and byte count are this transform's (ExchangeTransformation).
     def plan(self, params: PyTree, *, local_size: int | None = None) -> ExchangePlan:
@@ -127,11 +238,60 @@ class _CompressedMomentum:
     def bytes_sent(self, params: PyTree, steps: int, *, local_size: int | None = None) -> int:
         return self.exchange.bytes_sent(params, steps, local_size=local_size)
 
+    def carried(self, params: PyTree, *, local_size: int | None = None) -> frozenset[int]:
+        """The leaves (``jax.tree.leaves`` order) whose momentum lives in their exchange
+        store (the one-buffer form); empty for the two-buffer form."""
+        if self.one_buffer is False or self.warmup is None:
+            return frozenset()
+        plan = self.plan(params, local_size=local_size)
+        compressed = {plan.layout.units[i].leaf for p in plan.stores for i in p.group.members}
+        carriable = plan.carriable_leaves
+        if self.exchange._core.selection_scope != "leaf":
+            carriable = frozenset()
+        if self.one_buffer and (not compressed or compressed - carriable):
+            paths = sorted(
+                {p.group.paths[0] for p in plan.stores if not p.carries}
+                | ({"selection_scope='global'"} if not carriable and compressed else set())
+            )
+            raise ValueError(
+                "one_buffer=True keeps each worker's momentum in its leaf's own residual "
+                "store (kind 'leaf': error_feedback, or resireduce without shared groups "
+                "or intra-layer storage, selection_scope='leaf'); a shared or 2-D store "
+                "cannot hold a member's momentum. Not carried: "
+                f"{paths[:8] or ['no compressed leaf']}. Use one_buffer=None (one buffer "
+                "where the store allows it) or one_buffer=False."
+            )
+        return carriable & compressed
+
+    def quantized_nu(self, params: PyTree) -> frozenset[int]:
+        """The leaves whose frozen v is kept in :attr:`nu_format` (:class:`FrozenNu`):
+        the compressed ones (the others are small and keep float32)."""
+        if self.nu_format is None or not self.adam or self.warmup is None:
+            return frozenset()
+        plan = self.plan(params)
+        return frozenset(plan.layout.units[i].leaf for p in plan.stores for i in p.group.members)
+
     def init(self, params: PyTree) -> CompressedMomentumState:
+        carried = self.carried(params)
+        quantized = self.quantized_nu(params)
+        leaves, treedef = jax.tree.flatten(params)
+        mu = [
+            optax.MaskedNode() if j in carried else jnp.zeros_like(x) for j, x in enumerate(leaves)
+        ]
+        workers = 1
+        if quantized:
+            try:
+                workers = axis_size(self.exchange._core.worker_axes)
+            except NameError:  # outside shard_map / pmap: one worker's slice is the leaf
+                workers = 1
+        nu = [
+            self.nu_format.init(x.size, workers) if j in quantized else jnp.zeros_like(x)
+            for j, x in enumerate(leaves)
+        ]
         return CompressedMomentumState(
             count=jnp.zeros([], jnp.int32),
-            mu=optax.tree.zeros_like(params),
-            nu=optax.tree.zeros_like(params) if self.adam else (),
+            mu=treedef.unflatten(mu),
+            nu=treedef.unflatten(nu) if self.adam else (),
             exchange=self.exchange.init(params),
         )
 
@@ -178,7 +338,8 @@ class _CompressedMomentum:
             )
 
         # What each worker sends: its gradient while warm (the exchange is dense), then its
-        # local momentum from the replicated one.
+        # local momentum from the replicated one (one-buffer: the new part of it alone, the
+        # store holding b1 m + e_i).
         if self.max_grad_norm is not None and self.warmup is not None:
             workers = axis_size(self.exchange._core.worker_axes)  # all worker axes
             local = clip_factor(global_norm(updates), self.max_grad_norm * math.sqrt(workers))
@@ -186,50 +347,146 @@ class _CompressedMomentum:
         bias2 = 1 - b2**frozen_at
         scaled = self.adam and self.compressed == "update"
 
-        def denominator(nu):
+        def floored(nu):
+            if not self.nu_floor:
+                return nu
+            return jnp.maximum(nu, self.nu_floor * jnp.mean(nu))
+
+        def denominator(nu, like=None):
             """sqrt(v_hat) + eps; after the warm-up v is frozen, floored at ``nu_floor``
-            of its leaf's mean."""
+            of its leaf's mean (a :class:`FrozenNu`: decoded, compressed phase only)."""
+            if isinstance(nu, FrozenNu):
+                return frozen_denominator(nu, like)
             if self.nu_floor:
-                nu = _select(
-                    warm, lambda: nu, lambda: jnp.maximum(nu, self.nu_floor * jnp.mean(nu))
-                )
+                nu = _select(warm, lambda: nu, lambda: floored(nu))
             return jnp.sqrt(nu / bias2.astype(nu.dtype)) + self.eps
 
-        def to_send(g, mu, nu):
+        def frozen_denominator(nu, like):
+            """The compressed phase's sqrt(v_hat) + eps, from v frozen and floored."""
+            if isinstance(nu, FrozenNu):
+                root = self.nu_format.root(nu, like.shape)
+                return (root / jnp.sqrt(bias2).astype(root.dtype) + self.eps).astype(like.dtype)
+            return jnp.sqrt(floored(nu) / bias2.astype(nu.dtype)) + self.eps
+
+        carried = self.carried(updates)
+        leaves, treedef = jax.tree.flatten(updates)
+        mus = treedef.flatten_up_to(state.mu)
+        nus = treedef.flatten_up_to(state.nu) if self.adam else [None] * len(leaves)
+
+        def to_send(j, g, mu, nu):
             if self.warmup is None:
                 return g
 
             def momentum():
                 g_local = g if self.max_grad_norm is None else g * scalar_as(local, g)
-                m = self._momentum(g_local, mu)
-                return m / denominator(nu).astype(g.dtype) if scaled else m
+                if j in carried:  # c_i = w_i + (1 - b1) g_i: the exchange adds w_i
+                    m = (1 - self.b1) * g_local if self.adam else g_local
+                else:
+                    m = self._momentum(g_local, mu)
+                return m / denominator(nu, g).astype(g.dtype) if scaled else m
 
             return _select(warm, lambda: g, momentum)
 
-        nus = state.nu if self.adam else jax.tree.map(lambda _: None, state.mu)
-        sent = jax.tree.map(to_send, updates, state.mu, nus)
+        sent = [to_send(j, *args) for j, args in enumerate(zip(leaves, mus, nus, strict=True))]
+        extra = {"carry": Carry(b1, warm, carried)} if carried else {}
         means, exchange_state = self.exchange.update(
-            sent, state.exchange, params, skip=skip, density_phase=density_phase
+            treedef.unflatten(sent),
+            state.exchange,
+            params,
+            skip=skip,
+            density_phase=density_phase,
+            **extra,
         )
         if self.max_grad_norm is not None:
             mean_factor = clip_factor(global_norm(means), self.max_grad_norm)
+        plan = self.plan(updates) if carried and warm is not False else None
+        residuals = exchange_state.residuals
+        axes = self.exchange._core.worker_axes
 
-        def leaf(mean, mu, nu, p, decayed):
-            if scaled:
-                # Recompute the denominator from v after the exchange: without the barrier
-                # XLA merges it with the one `to_send` computed, and every leaf's
-                # denominator stays alive across the exchange (a parameter-sized temp).
+        def leaf(j, mean, mu, nu, p, decayed):
+            nonlocal residuals
+            # Recompute the denominator from v after the exchange: without the barrier XLA
+            # merges it with the one `to_send` computed, and every leaf's denominator stays
+            # alive across the exchange (a parameter-sized temp). Not for a FrozenNu: its
+            # slices vary over the workers, and the barrier's outputs would all vary.
+            if scaled and not isinstance(nu, FrozenNu):
                 mean, nu = jax.lax.optimization_barrier((mean, nu))
             g = mean
             if self.max_grad_norm is not None:
                 g = mean * scalar_as(mean_factor, mean)
+            # m's float32 warm-up slice in the unused codes of an int8 frozen v ("update":
+            # the update is then mean / bias1, no varying divisor), else m held in the store.
+            sliced = (
+                j in carried
+                and isinstance(nu, FrozenNu)
+                and scaled
+                and 4 * nu.warm.size <= nu.codes.size
+            )
+            if sliced:
+                mu_new = mean  # warm: its slice in the codes; compressed: m' is the mean
+            elif j in carried:  # warm: m is held in the store; compressed: m' is the mean
 
-            def momentum():
-                m = mean * denominator(nu).astype(mean.dtype) if scaled else mean
-                return m.astype(mu.dtype)
+                def held_momentum():  # equal on every worker; replicated by its gather
+                    m = self._momentum(g, carried_lib.read(plan, residuals, j, mean))
+                    if isinstance(nu, FrozenNu):  # the update is gathered from slices
+                        return m
+                    return carried_lib.replicated(m, axes)
 
-            mu_new = _select(warm, lambda: self._momentum(g, mu), momentum)
-            if self.adam:
+                mu_new = _select(warm, held_momentum, lambda: mean)
+            else:
+
+                def momentum():
+                    m = mean * denominator(nu, mean).astype(mean.dtype) if scaled else mean
+                    return m.astype(mu.dtype)
+
+                mu_new = _select(warm, lambda: self._momentum(g, mu), momentum)
+            if self.adam and isinstance(nu, FrozenNu):
+                bias1 = (1 - b1**count_inc).astype(mu_new.dtype)
+
+                def warm_step():  # on this worker's slice; the update gathered
+                    nonlocal residuals
+                    g_k = carried_lib.own_slice(g, axes)
+                    v_k = (1 - b2) * (g_k * g_k) + b2 * nu.warm
+                    if sliced:
+                        m_k = self._momentum(g_k, _slice_in(nu.codes, v_k.size))
+                    else:
+                        m_k = carried_lib.own_slice(mu_new, axes)
+                    u_k = (m_k / bias1) / (jnp.sqrt(v_k / bias2.astype(v_k.dtype)) + self.eps)
+                    if decayed:
+                        u_k = u_k + decay * carried_lib.own_slice(p, axes)
+                    kept = nu._replace(warm=v_k)
+                    if sliced:
+                        kept = kept._replace(codes=_slice_out(m_k, nu.codes))
+                    last = count_inc >= self.warmup
+
+                    def freeze():  # the last warm-up step: v's one rounding
+                        frozen = self.nu_format.freeze(
+                            carried_lib.gather_slices(v_k, axes, g.shape), self.nu_floor, v_k
+                        )
+                        if not sliced:
+                            return _vary_like(frozen, kept), ()
+                        m = carried_lib.gather_slices(m_k, axes, g.shape)
+                        w = self.b1 * m / frozen_denominator(frozen, m)  # w = b1 m / d
+                        return _vary_like(frozen, kept), _vary_like(w, m_k)
+
+                    def warm_on():
+                        zeros = () if not sliced else jnp.zeros(g.shape, m_k.dtype) * m_k[0]
+                        return kept, zeros
+
+                    frozen, w = jax.lax.cond(last, freeze, warm_on)
+                    if sliced:  # the store holds zeros until then, and w = b1 m / d after
+                        residuals = carried_lib.write(
+                            plan, residuals, j, w, _and_not(jnp.logical_and(warm, last), skip)
+                        )
+                    return frozen, carried_lib.gather_slices(u_k, axes, g.shape)
+
+                def compressed_step():
+                    d = denominator(nu, mean)
+                    u = mean / bias1 if scaled else (mu_new / bias1) / d
+                    return nu, u + decay * p if decayed else u
+
+                nu_new, u = _select_tree(warm, warm_step, compressed_step)
+            elif self.adam:
                 nu_new = _select(warm, lambda: (1 - b2) * (g * g) + b2 * nu, lambda: nu)
                 bias1 = (1 - b1**count_inc).astype(mu_new.dtype)
 
@@ -245,18 +502,86 @@ class _CompressedMomentum:
             u = descend(u, lr, scheduled=callable(self.learning_rate))
             if skip is not None:
                 u = jnp.where(skip, jnp.zeros((), u.dtype), u)
-                mu_new = jnp.where(skip, mu, mu_new)
+                if j not in carried:
+                    mu_new = jnp.where(skip, mu, mu_new)
                 if self.adam:
-                    nu_new = jnp.where(skip, nu, nu_new)
-            return u, mu_new, nu_new if self.adam else ()
+                    nu_new = jax.tree.map(lambda a, b: jnp.where(skip, a, b), nu, nu_new)
+            if j in carried:
+                if warm is not False and not sliced:  # m held, b1 m (w's units) at last
+                    d = frozen_denominator(nu_new, mu_new) if scaled else None
+                    residuals = carried_lib.write(
+                        plan, residuals, j, self._held(mu_new, d, count_inc), _and_not(warm, skip)
+                    )
+                mu_new = optax.MaskedNode()
+            return u, mu_new, nu_new if self.adam else None
 
-        out = jax.tree.map(leaf, means, state.mu, nus, params, flags)
-        treedef = jax.tree.structure(updates)
-        inner = jax.tree.structure((0, 0, 0 if self.adam else ()))
-        new_updates, mu, nu = jax.tree.transpose(treedef, inner, out)
+        out = [
+            leaf(j, *args)
+            for j, args in enumerate(
+                zip(
+                    treedef.flatten_up_to(means),
+                    mus,
+                    nus,
+                    treedef.flatten_up_to(params),
+                    treedef.flatten_up_to(flags),
+                    strict=True,
+                )
+            )
+        ]
+        new_updates = treedef.unflatten([o[0] for o in out])
+        mu = treedef.unflatten([o[1] for o in out])
+        nu = treedef.unflatten([o[2] for o in out]) if self.adam else ()
         count = count_inc if skip is None else jnp.where(skip, state.count, count_inc)
-        nu = nu if self.adam else ()
+        exchange_state = exchange_state._replace(residuals=residuals)
         return new_updates, CompressedMomentumState(count, mu, nu, exchange_state)
+
+    def _held(self, m: jax.Array, d: jax.Array | None, count_inc: jax.Array) -> jax.Array:
+        """What a carried leaf's store holds after a warm-up step: ``m``, and at the last
+        one ``w = b1 m`` in the units the exchange then sends (``m / d`` for ``"update"``,
+        ``d`` the frozen, floored denominator), so the first compressed step compensates
+        with ``b1 m + e`` (``e = 0``), as the two-buffer form."""
+        w = self.b1 * m
+        if d is not None:
+            w = w / d.astype(w.dtype)
+        return jnp.where(count_inc >= self.warmup, w, m)
+
+
+def _vary_like(tree: Any, like: Any) -> Any:
+    """``tree`` cast to vary over the mesh axes each leaf of ``like`` varies over."""
+
+    def cast(x, y):
+        have, want = (set(jax.typeof(v).manual_axis_type.varying) for v in (x, y))
+        missing = tuple(sorted(want - have))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree, like)
+
+
+def _slice_in(codes: jax.Array, size: int) -> jax.Array:
+    """The float32 ``[size]`` kept in the first ``4 size`` bytes of ``codes``."""
+    return jax.lax.bitcast_convert_type(codes.reshape(-1)[: 4 * size].reshape(size, 4), jnp.float32)
+
+
+def _slice_out(x: jax.Array, codes: jax.Array) -> jax.Array:
+    """Float32 ``x`` as the first bytes of a uint8 buffer shaped like ``codes``."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8).reshape(-1)
+    return jnp.pad(bits, (0, codes.size - bits.size)).reshape(codes.shape)
+
+
+def _select_tree(
+    warm: bool | jax.Array, in_warmup: Callable[[], Any], compressed: Callable[[], Any]
+) -> Any:
+    """:func:`_select` for pytrees of arrays."""
+    if isinstance(warm, bool):
+        return in_warmup() if warm else compressed()
+    return jax.tree.map(lambda a, b: jnp.where(warm, a, b), in_warmup(), compressed())
+
+
+def _and_not(warm: bool | jax.Array, skip: jax.Array | None) -> bool | jax.Array:
+    """``warm and not skip`` (``skip``: ``None`` for no skip flag)."""
+    if skip is None:
+        return warm
+    return jnp.logical_and(warm, jnp.logical_not(skip))
 
 
 def compressed_momentum_adam(
@@ -271,6 +596,8 @@ def compressed_momentum_adam(
     max_grad_norm: float | None = None,
     nu_floor: float = 0.01,
     compressed: str = "update",
+    one_buffer: bool | None = None,
+    frozen_nu_format: str = "float32",
 ) -> ExchangeTransformation:
     r"""Adam whose momentum is exchanged compressed with error feedback after a dense
     warm-up that fixes the second moment (1-bit Adam, Tang et al., ICML 2021, Alg. 1).
@@ -317,6 +644,23 @@ def compressed_momentum_adam(
         the update's direction, so that the compressor keeps the coordinates that move
         the weights most and error feedback conserves the update itself (the error is
         kept in those units); ``"momentum"``: its momentum, as Tang et al.
+      one_buffer: keep each worker's momentum and its error as one buffer
+        :math:`w_i = β_1 m + e_i` in the leaf's own residual store, in the store's
+        residual format and the units sent (docs/design.md, "One-buffer compressed
+        momentum"): in exact arithmetic the same steps as the two buffers, warm-up and
+        freeze included. ``None`` (default): for every leaf whose store allows it (kind
+        ``"leaf"``, ``selection_scope="leaf"``), two buffers elsewhere; ``True``: every
+        compressed leaf, else ``ValueError`` (shared and 2-D stores cannot hold a
+        member's momentum); ``False``: two buffers. A leaf that travels dense keeps its
+        replicated :math:`m` either way. During the warm-up the store holds :math:`m`
+        (rounded by a quantized format each step).
+      frozen_nu_format: how the frozen :math:`v` of the compressed leaves is kept:
+        ``"float32"`` (default, as estimated); ``"int8"`` (``"int8/<block size>"``,
+        blocks of 256 by default): 8-bit codes of :math:`\sqrt{\max(v, f)}` with a
+        float32 scale per block and no zero code (Li et al., NeurIPS 2023; :math:`f` the
+        ``nu_floor``), rounded once, at the freeze: 1 byte a parameter after it. During the
+        warm-up :math:`v` stays float32, each worker keeping ``1/N`` of it and the update
+        all-gathered from the workers' slices (:class:`FrozenNu`).
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` (``tx.plan(params)``,
@@ -361,6 +705,8 @@ def compressed_momentum_adam(
         max_grad_norm=check_max_grad_norm(max_grad_norm),
         nu_floor=float(nu_floor),
         compressed=compressed,
+        one_buffer=_check_one_buffer(one_buffer),
+        nu_format=parse_nu_format(frozen_nu_format),
     )
     return ExchangeTransformation(core.init, core.update)
 
@@ -373,6 +719,7 @@ def compressed_momentum_sgd(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: MaskOrFn = None,
     max_grad_norm: float | None = None,
+    one_buffer: bool | None = None,
 ) -> ExchangeTransformation:
     r"""SGD with heavy-ball momentum whose momentum is exchanged compressed with error
     feedback: :func:`compressed_momentum_adam`'s scheme without a second moment.
@@ -395,6 +742,8 @@ def compressed_momentum_sgd(
       max_grad_norm: clip by global L2 norm: the mean gradient in a dense phase to
         ``max_grad_norm``, each worker's local gradient otherwise to ``max_grad_norm``
         :math:`\cdot\sqrt N` (as :func:`compressed_momentum_adam`).
+      one_buffer: :math:`w_i = β m + e_i` in the leaf's own store, :math:`c_i = w_i +
+        g_i` (as :func:`compressed_momentum_adam`'s; ``None``: where the store allows it).
 
     Returns:
       An :class:`~resireduce_jax.exchange.ExchangeTransformation` whose state is a
@@ -419,5 +768,6 @@ def compressed_momentum_sgd(
         mask=mask,
         max_grad_norm=check_max_grad_norm(max_grad_norm),
         nu_floor=0.0,
+        one_buffer=_check_one_buffer(one_buffer),
     )
     return ExchangeTransformation(core.init, core.update)

@@ -85,9 +85,15 @@ def np_compressed_momentum_adam(
 
 
 @pytest.mark.parametrize(
-    "clip, compressed", [(None, "momentum"), (0.5, "momentum"), (0.5, "update")]
+    "clip, compressed, one_buffer",
+    [
+        (None, "momentum", False),
+        (0.5, "momentum", False),
+        (0.5, "update", False),
+        (0.5, "update", True),  # the default: w_i = b1 m + e_i in the store
+    ],
 )
-def test_matches_numpy_one_bit_adam_paraphrase_through_both_phases(clip, compressed):
+def test_matches_numpy_one_bit_adam_paraphrase_through_both_phases(clip, compressed, one_buffer):
     warmup, density, lr = 2, 0.05, 1e-2
     grads = th.random_grads(np.random.default_rng(0), SHAPES, W, steps=6)
     params = _params()
@@ -95,7 +101,7 @@ def test_matches_numpy_one_bit_adam_paraphrase_through_both_phases(clip, compres
         rr.compressors.topk(rr.compressors.dense_warmup(warmup, density)), min_size=MIN_SIZE
     )
     tx = rr.compressed_momentum_adam(
-        lr, exchange, max_grad_norm=clip, compressed=compressed, **HYPER
+        lr, exchange, max_grad_norm=clip, compressed=compressed, one_buffer=one_buffer, **HYPER
     )
     outputs, state = th.run_shard_map(tx, params, grads)
     ref, m, v, e = np_compressed_momentum_adam(
@@ -105,6 +111,8 @@ def test_matches_numpy_one_bit_adam_paraphrase_through_both_phases(clip, compres
         for k in SHAPES:
             for w in range(W):  # every worker applies the same update
                 np.testing.assert_allclose(out[k][w], r[k], rtol=2e-5, atol=1e-7, err_msg=(t, k))
+    if one_buffer:  # tests/test_one_buffer.py reads w_i = b1 m + e_i
+        return
     for k in SHAPES:
         np.testing.assert_allclose(state.mu[k][0], m[k], rtol=2e-5, atol=1e-8)
         np.testing.assert_allclose(state.nu[k][0], v[k], rtol=1e-5, atol=1e-12)
@@ -147,7 +155,9 @@ def test_error_feedback_conserves_the_momentum_sent_and_kept():
     exchange = rr.error_feedback(
         rr.compressors.topk(rr.compressors.dense_warmup(2, 0.02)), min_size=MIN_SIZE
     )
-    tx = rr.compressed_momentum_adam(1e-2, exchange, compressed="momentum", **HYPER)
+    tx = rr.compressed_momentum_adam(
+        1e-2, exchange, compressed="momentum", one_buffer=False, **HYPER
+    )
     _, before = th.run_shard_map(tx, params, grads[:3])
     _, after = th.run_shard_map(tx, params, grads)
     for k in COMPRESSED:
@@ -288,7 +298,9 @@ def test_compressed_phase_holds_no_denominator_beside_the_exchange():
 
     topk = rr.compressors.topk(rr.compressors.dense_warmup(1, 0.01))
     exchange = rr.error_feedback(topk, residual_dtype=jnp.float8_e4m3fn)
-    cm = temp(rr.compressed_momentum_adam(1e-3, exchange, **HYPER), density_phase=1)
+    cm = temp(
+        rr.compressed_momentum_adam(1e-3, exchange, one_buffer=False, **HYPER), density_phase=1
+    )
     adamw = optax.adamw(1e-3, b1=HYPER["b1"], b2=HYPER["b2"], eps=HYPER["eps"])
     ef = temp(optax.chain(rr.error_feedback(rr.compressors.topk(0.01)), adamw))
     assert cm <= ef + vocab * width * 4 // 4, (cm, ef)
@@ -313,7 +325,7 @@ def test_a_program_of_one_phase_computes_that_phase_alone():
     exchange = rr.error_feedback(
         rr.compressors.topk(rr.compressors.dense_warmup(2, 0.05)), min_size=MIN_SIZE
     )
-    tx = rr.compressed_momentum_adam(1e-2, exchange, **HYPER)
+    tx = rr.compressed_momentum_adam(1e-2, exchange, one_buffer=False, **HYPER)
     mesh = th.mesh(W)
     specs, state = rr.parallel.abstract_state(tx, params, mesh, th.AXIS)
 
