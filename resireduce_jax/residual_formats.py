@@ -228,7 +228,9 @@ class BlockFormat(ResidualFormat):
         flat = jnp.pad(flat, (0, blocks * self.block_size - size))
         b = flat.reshape(blocks, self.block_size)
         code_max = _CODE_MAX[self.codes]
-        scales = jnp.max(jnp.abs(b), axis=1) / code_max
+        # max |b| as max(max b, -min b): XLA:CPU would materialize |b| for the reduction.
+        absmax = jnp.abs(jnp.maximum(jnp.max(b, axis=1), -jnp.min(b, axis=1)))
+        scales = absmax / code_max
         safe = jnp.where(scales > 0, scales, 1.0)  # a zero block: y = 0, codes 0, scale 0
         y = jnp.clip(b / safe[:, None], -code_max, code_max)
         u = jax.random.uniform(key, b.shape, jnp.float32) if self.stochastic else None
@@ -284,7 +286,7 @@ class BlockFormat(ResidualFormat):
             part = lax.optimization_barrier(part.reshape(block.shape).astype(block.dtype))
             return block + part
 
-        return in_place.map_blocks(g, add)
+        return in_place.map_blocks(in_place.without_leading_ones(g), add).reshape(g.shape)
 
 
 def _float8_round(y: jax.Array, u: jax.Array | None) -> jax.Array:

@@ -227,6 +227,8 @@ class StorePlan:
         ``G``'s own buffer for codes: :meth:`ResidualFormat.add_decoded`)."""
         if self.quantized:
             return self.format.add_decoded(g, stored)
+        if stored.dtype != g.dtype:  # a narrower cast: added block by block into G's buffer
+            return in_place.add_into(g, stored.reshape(g.shape))
         return g + stored.astype(g.dtype)
 
     def read_compensated(self, x: jax.Array, *, ordered_reads: bool) -> tuple[jax.Array, Any]:

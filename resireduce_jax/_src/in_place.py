@@ -36,6 +36,7 @@ __all__ = [
     "signed_at",
     "sums",
     "with_signs",
+    "without_leading_ones",
 ]
 
 BLOCK_BYTES = 1 << 20
@@ -57,6 +58,16 @@ def _rows_view(x: jax.Array) -> jax.Array:
     n = x.size
     width = math.gcd(n, 1024) if n else 1
     return x.reshape(n // width, width)
+
+
+def without_leading_ones(x: jax.Array) -> jax.Array:
+    """``x`` without its leading size-1 axes (a bitcast), so that :func:`map_blocks` cuts
+    it along its first real axis: a ``[1, 1, a, b]`` kernel in ``a``-row blocks, not in one
+    piece."""
+    shape = x.shape
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return x.reshape(shape)
 
 
 def _block_rows(rows: int, cols: int, itemsize: int) -> int:
@@ -110,6 +121,7 @@ def add_into(x: jax.Array, y: jax.Array, scale: jax.Array | None = None) -> jax.
     through :func:`read_in_loop`).
     For a sum into a temporary whose other operand must stay readable: a shared
     residual added to a member's gradient, a member added to a running sum."""
+    shape, x, y = x.shape, without_leading_ones(x), without_leading_ones(y)
     y_rows = _rows_view(y)
 
     def add(block, row0):
@@ -121,7 +133,7 @@ def add_into(x: jax.Array, y: jax.Array, scale: jax.Array | None = None) -> jax.
         )
         return block + (part if scale is None else scale * part)
 
-    return map_blocks(x, add)
+    return map_blocks(x, add).reshape(shape)
 
 
 def add_slices(x: jax.Array, values: jax.Array, start: int, index: Any) -> jax.Array:
@@ -195,7 +207,7 @@ def magnitudes(x: jax.Array, *, slices: int = 1) -> tuple[jax.Array, jax.Array]:
     """
     bits = sign_bits(x)
     x, bits = lax.optimization_barrier((x, bits))  # the signs are read before |x| overwrites x
-    magnitude = map_blocks(x, lambda block, row0: jnp.abs(block), slices=slices)
+    magnitude = _map_flat(x, lambda block, row0: jnp.abs(block), slices)
     # Readers of |x| read the buffer: no fusion recomputes abs from x, which would keep x alive.
     return lax.optimization_barrier((magnitude, bits))
 
@@ -207,7 +219,15 @@ def with_signs(magnitude: jax.Array, bits: jax.Array, *, slices: int = 1) -> jax
     def restore(block, row0):
         return jnp.where(negative_at(bits, flat_index(block, row0)), -block, block)
 
-    return map_blocks(magnitude, restore, slices=slices)
+    return _map_flat(magnitude, restore, slices)
+
+
+def _map_flat(x: jax.Array, fn: Callable, slices: int) -> jax.Array:
+    """:func:`map_blocks` of a map of the flat index (:func:`flat_index`) or elementwise:
+    a leaf with leading size-1 axes is cut along its first real one."""
+    if slices > 1:
+        return map_blocks(x, fn, slices=slices)
+    return map_blocks(without_leading_ones(x), fn).reshape(x.shape)
 
 
 def loop_variant(values: jax.Array, varying: Any) -> tuple[jax.Array, Any]:
