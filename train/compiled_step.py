@@ -74,6 +74,8 @@ def with_variant(
         config.compression.residual_dtype = residual_dtype
         config.compression.residual_format = residual_format
         config.compression.variant = variant
+        if variant != "ef" and config.optimizer.get("one_buffer", "off") == "on":
+            config.optimizer.one_buffer = "auto"  # shared and 2-D stores keep two buffers
     return config
 
 
@@ -127,12 +129,11 @@ def build_train_tx(
 def state_bytes(params, tx: optax.GradientTransformation, mesh) -> rr.memory.ModelStateBytes:
     """:func:`resireduce_jax.memory.model_state_bytes` of one device of ``mesh``.
 
-    A hierarchical exchange's state depends on the local axis size, known inside
-    ``shard_map`` only: on a 2-D mesh ``tx.init`` is traced there (shapes only), so
-    sharded residuals count ``1/L`` per device.
+    A hierarchical exchange's state depends on the local axis size, and a quantized
+    frozen v's warm-up slice (compressed_momentum_adam) on the number of workers, known
+    inside ``shard_map`` only: ``tx.init`` is traced there (shapes only), so sharded
+    residuals count ``1/L`` per device.
     """
-    if len(mesh.axis_names) == 1:
-        return rr.memory.model_state_bytes(params, tx)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
     return rr.memory.model_state_bytes(params, optax.GradientTransformation(init, tx.update))
 

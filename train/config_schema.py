@@ -47,6 +47,8 @@ RESIDUAL_FORMAT = re.compile(
 # "+<format>" suffix is a compression.residual_format ("ef+int4/64/stochastic").
 RESIDUAL_DTYPE_SUFFIXES = {"+bf16": "bfloat16", "+f8": "float8_e4m3fn"}
 SCHEDULES = ("constant", "warmup_piecewise", "warmup_cosine")
+# optimizer.one_buffer -> compressed_momentum_*(one_buffer=...)
+ONE_BUFFER = {"off": False, "auto": None, "on": True}
 
 
 class ConfigError(ValueError):
@@ -102,6 +104,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.kwargs = ml_collections.ConfigDict({"momentum": 0.9})
     c.optimizer.weight_decay = 0.0  # decoupled for *w optimizers, L2 added otherwise
     c.optimizer.max_grad_norm = config_dict.placeholder(float)
+    # compressed_momentum_*: "on" keeps each worker's momentum and error as one buffer
+    # b1 m + e_i in its leaf's own residual store (variant "ef"; a shared or 2-D store is
+    # refused), "auto" where the store allows it, "off" two buffers (m replicated, e_i).
+    c.optimizer.one_buffer = "off"
+    # compressed_momentum_adam: the frozen second moment as "float32", or "int8" (8-bit
+    # codes of sqrt(v) in blocks of 256, "int8/<block size>"), rounded once at the freeze.
+    c.optimizer.frozen_nu_format = "float32"
 
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "warmup_piecewise"
@@ -368,6 +377,36 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
             sched.dense_fraction > 0,
             "optimizer.name='compressed_momentum_adam' estimates Adam's second moment in a "
             "dense warm-up: set compression.density_schedule.dense_fraction > 0 (e.g. 0.05).",
+        )
+    _check(
+        c.optimizer.one_buffer in ONE_BUFFER,
+        f"optimizer.one_buffer must be one of {sorted(ONE_BUFFER)}, got "
+        f"{c.optimizer.one_buffer!r}.",
+    )
+    if c.optimizer.one_buffer != "off":
+        _check(
+            c.optimizer.name.startswith("compressed_momentum_"),
+            f"optimizer.one_buffer={c.optimizer.one_buffer!r} is the compressed-momentum "
+            f"optimizers' (got optimizer.name={c.optimizer.name!r}); set it to 'off'.",
+        )
+    _check(
+        re.fullmatch(r"float32|int8(/[1-9]\d*)?", str(c.optimizer.frozen_nu_format)) is not None,
+        "optimizer.frozen_nu_format must be 'float32', 'int8' or 'int8/<block size>', got "
+        f"{c.optimizer.frozen_nu_format!r}.",
+    )
+    _check(
+        c.optimizer.frozen_nu_format == "float32" or c.optimizer.name == "compressed_momentum_adam",
+        f"optimizer.frozen_nu_format={c.optimizer.frozen_nu_format!r} is "
+        f"compressed_momentum_adam's frozen second moment (got optimizer.name="
+        f"{c.optimizer.name!r}); set it to 'float32'.",
+    )
+    if c.optimizer.one_buffer == "on":
+        _check(
+            comp.variant == "ef" and comp.selection_scope == "leaf",
+            "optimizer.one_buffer='on' keeps each worker's momentum in its leaf's own "
+            f"residual store: compression.variant='ef' (got {comp.variant!r}) with "
+            "selection_scope='leaf'; a shared or 2-D store cannot hold a member's momentum "
+            "('auto' uses it where the store allows).",
         )
     if c.optimizer.name.startswith("compressed_momentum_"):
         _check(

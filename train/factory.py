@@ -293,6 +293,12 @@ def _more_optimizers(name: str) -> str:
     )
 
 
+def _frozen_nu(o: ml_collections.ConfigDict) -> dict[str, str]:
+    """``frozen_nu_format=`` for compressed_momentum_adam where the config sets one."""
+    value = o.get("frozen_nu_format", "float32")
+    return {} if value == "float32" else {"frozen_nu_format": value}
+
+
 def build_optimizer(config: ml_collections.ConfigDict, schedule) -> optax.GradientTransformation:
     """The optimizer ``optimizer.name``: one of ours (``adamw_r``, ...) or an optax optimizer.
 
@@ -372,6 +378,8 @@ def build_tx(
             exchange,
             weight_decay=o.weight_decay,
             max_grad_norm=o.max_grad_norm,
+            one_buffer=config_schema.ONE_BUFFER[o.get("one_buffer", "off")],
+            **_frozen_nu(o),
             **config_schema.free_form(o.kwargs),
         )
     return optax.chain(exchange, build_optimizer(config, schedule))

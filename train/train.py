@@ -349,7 +349,14 @@ def _memory_report(
         if local_devices:
             title = f"Residual groups (whole layers; each device keeps 1/{local_devices} of each):"
         lines += ["", title, str(report)]
+    buffers = _buffer_bytes(abstract_params, exchange_only, run.mesh)
+    if buffers is not None:
+        lines.append(
+            "optimizer and residual state per parameter per worker: "
+            + ", ".join(f"{name} {value:.3f} B" for name, value in buffers.items())
+        )
     figures = {
+        "bytes_per_parameter": buffers,
         "baseline": comparison.baseline.as_dict(),
         "reduced": comparison.reduced.as_dict(),
         "saving": comparison.saving,
@@ -388,6 +395,22 @@ def _memory_report(
             "plan": choice.plan.compact(),
         }
     return "\n".join(lines), figures
+
+
+def _buffer_bytes(abstract_params, tx, mesh) -> dict[str, float] | None:
+    """Bytes per parameter per worker (device) of each buffer of a compressed-momentum
+    optimizer (:func:`resireduce_jax.compressed_momentum.buffer_bytes`: ``m``, ``v``, the
+    residual stores) and their total; ``None`` for other optimizers."""
+    # In shard_map: a hierarchical plan reads the local axis size, and a quantized frozen
+    # v's warm-up slice the number of workers.
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
+    state = jax.eval_shape(init, abstract_params)
+    found = rr.compressed_momentum.buffer_bytes(state)
+    if found is None:
+        return None
+    size = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+    per = {name: value / size for name, value in found.items()}
+    return {**per, "total": sum(per.values())}
 
 
 class _StopFlag:
