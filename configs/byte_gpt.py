@@ -12,7 +12,11 @@ perplexities these reach against dense, the bytes sent and the residual bytes:
 benchmarks/results/accuracy_400/accuracy.md (this config's 400 steps) and
 benchmarks/results/accuracy.md (1,200 steps).
 ``--config.optimizer.name=adamw`` with ``--config.compression.density_schedule.dense_fraction=0``
-is error feedback on AdamW.
+is error feedback on AdamW. The one-buffer form (each worker's momentum and error as one
+int4 buffer in its own store, the frozen second moment as 8-bit codes; docs/exchange.md,
+"One buffer for the momentum and its error"): ``--config.compression.variant=ef
+--config.compression.residual_format=int4 --config.optimizer.one_buffer=on
+--config.optimizer.frozen_nu_format=int8``.
 
 python -m train --config configs/byte_gpt.py --workdir /tmp/rr_bytes
 """

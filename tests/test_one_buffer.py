@@ -318,3 +318,32 @@ def test_bytes_per_parameter_per_worker_of_the_recipe_form():
     v = sum(-(-n[k] // 256) * (256 + 4) + 4 + 4 * -(-n[k] // W) for k in COMPRESSED)
     assert found["v"] == v + 4 * n["b"]
     assert found["residuals"] == sum(-(-n[k] // 128) * 68 for k in COMPRESSED)
+
+
+def test_config_keys_reach_the_optimizer():
+    """optimizer.one_buffer / optimizer.frozen_nu_format: checked before jax starts, then
+    built into the byte GPT's compressed_momentum_adam (python -m train --config
+    configs/byte_gpt.py --config.optimizer.one_buffer=on ...)."""
+    from tests.test_train import load_config
+    from train import config_schema, factory
+
+    c = load_config("byte_gpt")
+    assert (c.optimizer.one_buffer, c.optimizer.frozen_nu_format) == ("off", "float32")
+    config_schema.validate(c)
+    for key, value, match in (
+        ("one_buffer", "on", "variant='ef'"),  # w+2d: shared stores
+        ("one_buffer", "yes", "one_buffer must be one of"),
+        ("frozen_nu_format", "int4", "frozen_nu_format must be"),
+    ):
+        bad = load_config("byte_gpt")
+        bad.optimizer[key] = value
+        with pytest.raises(config_schema.ConfigError, match=match):
+            config_schema.validate(bad)
+    c.compression.variant = "ef"
+    c.compression.residual_format = "int4"
+    c.optimizer.one_buffer = "on"
+    c.optimizer.frozen_nu_format = "int8"
+    config_schema.validate(c)
+    tx = factory.build_tx(c, 100, 400)
+    core = tx._core
+    assert core.one_buffer is True and core.nu_format == rr.compressed_momentum.NuFormat(256)
