@@ -809,6 +809,12 @@ def compress_residual(
         def take(i0, i1):
             return m[i0, i1]
 
+    if plan.quantized:  # the kept values in one buffer, the gathers fused into it
+        gather = take
+
+        def take(i0, i1):
+            return lax.optimization_barrier(gather(i0, i1))
+
     if key is not None:
         key_rows, key_cols = jax.random.split(key)
     else:
