@@ -261,6 +261,14 @@ class _CompressedMomentum:
                 f"{paths[:8] or ['no compressed leaf']}. Use one_buffer=None (one buffer "
                 "where the store allows it) or one_buffer=False."
             )
+        if self.one_buffer is None:  # by default only where it is the two buffers' arithmetic
+            rounded = {
+                plan.layout.units[i].leaf
+                for p in plan.stores
+                for i in p.group.members
+                if p.quantized or jnp.dtype(p.dtype) != jnp.dtype(p.group.dtype)
+            }
+            carriable = carriable - rounded
         return carriable & compressed
 
     def quantized_nu(self, params: PyTree) -> frozenset[int]:
@@ -649,7 +657,9 @@ def compressed_momentum_adam(
         residual format and the units sent (docs/design.md, "One-buffer compressed
         momentum"): in exact arithmetic the same steps as the two buffers, warm-up and
         freeze included. ``None`` (default): for every leaf whose store allows it (kind
-        ``"leaf"``, ``selection_scope="leaf"``), two buffers elsewhere; ``True``: every
+        ``"leaf"``, ``selection_scope="leaf"``) and keeps the leaf's dtype (no residual
+        format or narrower cast, which would round :math:`β_1 m` too), two buffers
+        elsewhere; ``True``: every
         compressed leaf, else ``ValueError`` (shared and 2-D stores cannot hold a
         member's momentum); ``False``: two buffers. A leaf that travels dense keeps its
         replicated :math:`m` either way. During the warm-up the store holds :math:`m`

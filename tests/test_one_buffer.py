@@ -174,6 +174,9 @@ def test_shared_and_two_d_stores_are_refused_and_the_default_carries_the_rest():
         rr.compressed_momentum_adam(1e-2, two_d, one_buffer=True).init(params)
     with pytest.raises(ValueError, match="one_buffer"):
         rr.compressed_momentum_sgd(0.1, ex, one_buffer="yes")
+    # A residual format would round b1 m too: one buffer there only when asked for.
+    quantized = jax.eval_shape(_tx("update", None, residual_format="int4").init, params)
+    assert quantized.mu["w1"].shape == (40, 60)
 
 
 def test_a_skipped_step_leaves_the_state_unchanged():

@@ -106,7 +106,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.max_grad_norm = config_dict.placeholder(float)
     # compressed_momentum_*: "on" keeps each worker's momentum and error as one buffer
     # b1 m + e_i in its leaf's own residual store (variant "ef"; a shared or 2-D store is
-    # refused), "auto" where the store allows it, "off" two buffers (m replicated, e_i).
+    # refused), "auto" where the store allows it in float32, "off" two buffers (m
+    # replicated, e_i).
     c.optimizer.one_buffer = "off"
     # compressed_momentum_adam: the frozen second moment as "float32", or "int8" (8-bit
     # codes of sqrt(v) in blocks of 256, "int8/<block size>"), rounded once at the freeze.
