@@ -350,3 +350,29 @@ def test_config_keys_reach_the_optimizer():
     tx = factory.build_tx(c, 100, 400)
     core = tx._core
     assert core.one_buffer is True and core.nu_format == rr.compressed_momentum.NuFormat(256)
+
+
+def test_the_training_program_resumes_the_recipe_form_bit_identically(tmp_path):
+    """The digits job with compressed-momentum Adam in the one-buffer form (int4 w_i,
+    int8 frozen v), halted after step 5 (past the 3-step warm-up) and resumed."""
+    import chex
+
+    from tests.test_train import COMPRESSED_MOMENTUM, small_digits
+    from train import train
+
+    changes = {
+        **COMPRESSED_MOMENTUM,
+        "compression.density_schedule.dgc_fraction": 0.0,
+        "compression.residual_dtype": "",
+        "compression.variant": "ef",
+        "compression.residual_format": "int4",
+        "optimizer.one_buffer": "on",
+        "optimizer.frozen_nu_format": "int8",
+    }
+    config = small_digits(**changes)
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    assert full.memory["bytes_per_parameter"]["m"] < 1.0  # m only where it travels dense
+    assert train.train_and_evaluate(config, str(tmp_path / "split"), halt_after_step=5).preempted
+    assert train.train_and_evaluate(config, str(tmp_path / "split")).step == 12
+    a, b = (train.final_state(str(tmp_path / d)) for d in ("full", "split"))
+    chex.assert_trees_all_equal(a, b)
