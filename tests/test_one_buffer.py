@@ -247,7 +247,8 @@ def test_bytes_per_parameter_per_worker():
     assert int4 / big < 0.56
 
 
-def test_layer_stacks_are_the_unstacked_leaves():
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_layer_stacks_are_the_unstacked_leaves(hierarchical):
     layers = 3
     stacked = {"h": {"w": (layers, 40, 60)}, "b": (60,)}
     flat = {f"h{i}": {"w": (40, 60)} for i in range(layers)} | {"b": (60,)}
@@ -268,12 +269,16 @@ def test_layer_stacks_are_the_unstacked_leaves():
     }
     p_f = {f"h{i}": {"w": p_s["h"]["w"][i]} for i in range(layers)} | {"b": p_s["b"]}
     compressor = rr.compressors.randomk(rr.compressors.dense_warmup(WARMUP, 0.05))
-    ex_s = rr.error_feedback(compressor, min_size=MIN_SIZE, layer_stacks={r"^h/w$": 0})
+    local = {"local_axis": "local"} if hierarchical else {}
+    mesh = rr.parallel.make_mesh(W, local_devices=L) if hierarchical else None
+    ex_s = rr.error_feedback(compressor, min_size=MIN_SIZE, layer_stacks={r"^h/w$": 0}, **local)
     tx_s = rr.compressed_momentum_adam(1e-2, ex_s, one_buffer=True, **ADAM)
-    tx_f = rr.compressed_momentum_adam(1e-2, _exchange(compressor), one_buffer=True, **ADAM)
+    tx_f = rr.compressed_momentum_adam(
+        1e-2, _exchange(compressor, **local), one_buffer=True, **ADAM
+    )
     del flat
-    out_s, _ = _Run(tx_s, p_s).run(grads_s)
-    out_f, _ = _Run(tx_f, p_f).run(grads_f)
+    out_s, _ = _Run(tx_s, p_s, mesh).run(grads_s)
+    out_f, _ = _Run(tx_f, p_f, mesh).run(grads_f)
     for t, (a, b) in enumerate(zip(out_s, out_f, strict=True)):
         for i in range(layers):
             np.testing.assert_allclose(
