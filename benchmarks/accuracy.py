@@ -263,6 +263,7 @@ _DGC_10 = {"compression.density_schedule.dgc_fraction": 0.1}
 # 12.5 % of the steps dense, in bfloat16: the bytes of 6.25 % in float32.
 _DENSE_16 = {_DENSE_FRACTION: 0.125, "compression.density_schedule.dense_dtype": "bfloat16"}
 _GLOBAL = "compression.selection_scope"
+_ONE_BUFFER = {"optimizer.one_buffer": "on"}
 RECIPES: dict[str, Recipe] = {
     "base": Recipe("the task's config", *_both({})),
     # schedule.warmup_epochs is set from the dataset's epoch length (build_config).
@@ -282,6 +283,18 @@ RECIPES: dict[str, Recipe] = {
         "config's recipe)",
         {**_DENSE_16, "optimizer.name": "compressed_momentum_adam"},
         {**_DENSE_16, "optimizer.name": "compressed_momentum_sgd"},
+    ),
+    "cm16_1b": Recipe(
+        "cm16 with one buffer per worker (optimizer.one_buffer='on': the momentum kept in "
+        "each worker's residual store, b1 m + e_i) and Adam's frozen second moment in int8 "
+        "codes (optimizer.frozen_nu_format='int8')",
+        {
+            **_DENSE_16,
+            **_ONE_BUFFER,
+            "optimizer.name": "compressed_momentum_adam",
+            "optimizer.frozen_nu_format": "int8",
+        },
+        {**_DENSE_16, **_ONE_BUFFER, "optimizer.name": "compressed_momentum_sgd"},
     ),
     "cm_global": Recipe(
         "compressed momentum after 5 % dense steps, Top-k over the whole model "
@@ -472,6 +485,8 @@ def train_one(
         "residual_bytes": summary.memory["reduced"]["residuals"],
         "ef_residual_bytes": summary.memory["baseline"]["residuals"],
         "model_state_bytes": summary.memory["reduced"]["total"],
+        # compressed momentum's optimizer and residual state per parameter per worker
+        "bytes_per_parameter": summary.memory.get("bytes_per_parameter"),
         "seconds": seconds,
         "curves": curves(records, task.metric.key, task.metric.scale),
     }
@@ -550,6 +565,7 @@ def summarize(
                         "sent_over_dense": statistics.fmean(sent) if sent else None,
                         "residual_bytes": mine[0]["residual_bytes"],
                         "ef_residual_bytes": mine[0]["ef_residual_bytes"],
+                        "bytes_per_parameter": mine[0].get("bytes_per_parameter"),
                         "skipped_steps": sum(r["skipped_steps"] for r in mine),
                         "seconds": sum(r["seconds"] for r in mine),
                     }
@@ -559,6 +575,14 @@ def summarize(
 
 def _bytes(n: int) -> str:
     return f"{n / 1024:,.1f} KiB" if n < 2**20 else f"{n / 2**20:,.2f} MiB"
+
+
+def _per_parameter(buffers: dict[str, float] | None) -> str:
+    """``"2.14 (m 0.06, v 1.55, residuals 0.52)"`` from the run's per-parameter buffers."""
+    if not buffers:
+        return ""
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in buffers.items() if k != "total")
+    return f"{buffers['total']:.2f} ({parts})"
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -578,10 +602,12 @@ def markdown(payload: dict[str, Any]) -> str:
             "**Incomplete run**: stopped early; only the finished runs are shown.",
             "",
         ]
+    per_parameter = any(row.get("bytes_per_parameter") for row in payload["summary"])
     lines += [
         "| task | recipe | variant | final metric (mean ± std) | seeds | × dense | Δ vs ef "
-        "| sent / dense | residual bytes / worker | vs ef residuals |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| sent / dense | residual bytes / worker | vs ef residuals |"
+        + (" optimizer + residual B / parameter |" if per_parameter else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if per_parameter else ""),
     ]
     for row in payload["summary"]:
         task = TASKS[row["task"]]
@@ -604,6 +630,7 @@ def markdown(payload: dict[str, Any]) -> str:
             f"| {row['task']} | {row.get('recipe', 'base')} | {row['variant']} | {value} "
             f"{task.metric.unit} | {len(row['seeds'])} | {over} | {delta} | {sent} "
             f"| {_bytes(row['residual_bytes'])} | {ratio} |"
+            + (f" {_per_parameter(row.get('bytes_per_parameter'))} |" if per_parameter else "")
         )
     if payload.get("notes"):  # written by hand into the JSON, rendered as they are
         lines += ["", *(f"* {note}" for note in payload["notes"])]
