@@ -14,6 +14,8 @@ and lists what is alive at the peak. What the figures mean: ``results/peak_memor
         --optimizer compressed_momentum_adam --variants ef+f8 w+2d   # its compressed phase
     python benchmarks/peak_memory.py --models gpt2_medium --guard guard \
         --selection-scope global --variants w+2d   # whole-model Top-k, EF and w+2d
+    python benchmarks/peak_memory.py --guard both --variants formats \
+        --out benchmarks/results/peak_memory_formats   # EF's residual formats, w+2d+int4
     python benchmarks/peak_memory.py --from-json           # re-render the markdown
 """
 
@@ -42,7 +44,16 @@ from common import (
     write_results,
 )
 
-__all__ = ["CASES", "VARIANTS", "Case", "copies", "live_at_peak", "main", "measure"]
+__all__ = [
+    "CASES",
+    "FORMAT_VARIANTS",
+    "VARIANTS",
+    "Case",
+    "copies",
+    "live_at_peak",
+    "main",
+    "measure",
+]
 
 CASES: dict[str, Case] = {
     "resnet50": Case(
@@ -68,9 +79,12 @@ CASES: dict[str, Case] = {
         "2x128 tokens/worker",
     ),
 }
-# Compared against plain EF ("ef"); "+bf16": residuals stored in bfloat16.
+# Compared against plain EF ("ef"); "+bf16": residuals stored in bfloat16, "+<format>" in a
+# compression.residual_format ("+int8", "+float8", "+int4", "+int4/64/stochastic"; "+f8"
+# is the legacy unscaled float8 cast): train/compiled_step.py's variant names.
 CM_DENSE_FRACTION = 0.05  # a compressed-momentum optimizer's dense warm-up (byte_gpt's)
 VARIANTS = ("a", "w", "2d", "w+2d", "w+2d+bf16")
+FORMAT_VARIANTS = ("ef+bf16", "ef+int8", "ef+float8", "ef+int4", "w+2d+int4")
 ORIGINS = (
     "argument: params",
     "argument: optimizer",
@@ -520,7 +534,12 @@ def _explain_section(results: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="against EF")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        help="against EF; 'formats': FORMAT_VARIANTS",
+    )
     parser.add_argument(
         "--guard",
         choices=("both", "plain", "guard", "strict", "all"),
@@ -548,6 +567,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--_one", help=argparse.SUPPRESS)
     parser.add_argument("--_guard", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.variants == ["formats"]:
+        args.variants = list(FORMAT_VARIANTS)
     if args.from_json:
         out = args.out or RESULTS
         rerender("peak_memory", markdown, out, key="results")
