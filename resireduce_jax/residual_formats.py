@@ -233,7 +233,7 @@ class BlockFormat(ResidualFormat):
         scales = absmax / code_max
         safe = jnp.where(scales > 0, scales, 1.0)  # a zero block: y = 0, codes 0, scale 0
         y = jnp.clip(b / safe[:, None], -code_max, code_max)
-        u = jax.random.uniform(key, b.shape, jnp.float32) if self.stochastic else None
+        u = _uniform(key, b.shape) if self.stochastic else None
         if self.codes == "float8":
             codes = _float8_round(y, u)
         else:
@@ -287,6 +287,31 @@ class BlockFormat(ResidualFormat):
             return block + part
 
         return in_place.map_blocks(in_place.without_leading_ones(g), add).reshape(g.shape)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective avalanche on uint32 (the "lowbias32" integer hash)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """float32 uniforms in ``[0, 1)`` for blocks ``[n, block_size]``, one per element.
+
+    A counter-based draw: each value is a hash of the key and the element's flat index, so
+    it is elementwise and XLA fuses it into the encoding (``jax.random.uniform``'s threefry
+    is materialized, a leaf-sized float32 temporary). 24 random bits per value, which is
+    all a float32 in ``[0, 1)`` holds.
+    """
+    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    words = jnp.asarray(words, jnp.uint32).reshape(-1)
+    index = lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1])
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, 1)
+    bits = _mix32(_mix32(index ^ words[0]) + words[-1])
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def _float8_round(y: jax.Array, u: jax.Array | None) -> jax.Array:

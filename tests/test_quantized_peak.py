@@ -61,11 +61,15 @@ def _compiled(residual_format: str | None) -> tuple[int, int, int]:
     return peak.peak, peak.temp, residuals
 
 
-@pytest.mark.parametrize("residual_format", ["bfloat16", "int8", "float8", "int4"])
+@pytest.mark.parametrize(
+    "residual_format",
+    ["bfloat16", "int8", "float8", "int4", "int4/128/stochastic", "float8/256/stochastic"],
+)
 def test_the_residual_formats_saving_reaches_the_guarded_peak(residual_format):
     """The peak drops by at least 0.9 of the residual bytes saved: compensating, sending
     and re-encoding a leaf holds no leaf-sized float32 temporary that float32 EF does not
-    (the decoded residual, ``|r|`` for the block scales, a second buffer for ``G~``)."""
+    (the decoded residual, ``|r|`` for the block scales, a second buffer for ``G~``, the
+    stochastic rounding's random numbers)."""
     peak, temp, residuals = _compiled(residual_format)
     ef_peak, ef_temp, ef_residuals = _compiled(None)
     saving = ef_residuals - residuals

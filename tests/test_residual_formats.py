@@ -286,6 +286,32 @@ def test_stochastic_rounding_is_unbiased(codes):
     assert np.any(np.abs(nearest - x) > tol)
 
 
+def test_the_rounding_uniforms_are_uniform_and_independent():
+    """The counter-based draw behind stochastic rounding: over 2**20 values, each of 64
+    equal bins within 5 standard deviations of its expected count, mean and variance
+    those of U[0, 1), neighbours (within a block, across blocks) and two keys
+    uncorrelated, and both raw and typed keys accepted."""
+    from resireduce_jax.residual_formats import _uniform
+
+    shape = (2**13, 128)
+    u = np.asarray(_uniform(jax.random.PRNGKey(3), shape), np.float64)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    n = u.size
+    counts = np.bincount((u.ravel() * 64).astype(int), minlength=64)
+    expected = n / 64
+    assert np.all(np.abs(counts - expected) <= 5 * np.sqrt(expected * (1 - 1 / 64)))
+    assert abs(u.mean() - 0.5) <= 5 * np.sqrt(1 / 12 / n)
+    assert abs(u.var() - 1 / 12) <= 5 * np.sqrt(1 / 180 / n)
+    limit = 5 / np.sqrt(n)  # a correlation coefficient's standard error is 1 / sqrt(n)
+    flat = u.ravel()
+    assert abs(np.corrcoef(flat[:-1], flat[1:])[0, 1]) <= limit
+    assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) <= limit
+    other = np.asarray(_uniform(jax.random.PRNGKey(4), shape), np.float64)
+    assert abs(np.corrcoef(flat, other.ravel())[0, 1]) <= limit
+    typed = np.asarray(_uniform(jax.random.wrap_key_data(jax.random.PRNGKey(3)), shape))
+    np.testing.assert_array_equal(typed, u.astype(np.float32))
+
+
 @pytest.mark.parametrize("codes", ["int8", "int4", "float8"])
 def test_stochastic_rounding_depends_on_the_key_only(codes):
     fmt = BlockFormat(codes, rounding="stochastic")
