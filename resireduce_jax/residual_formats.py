@@ -34,6 +34,7 @@ from resireduce_jax._src import in_place
 
 __all__ = [
     "DEFAULT_BLOCK_SIZES",
+    "DEFAULT_ROUNDINGS",
     "BlockFormat",
     "FloatFormat",
     "Quantized",
@@ -47,6 +48,11 @@ Rounding = Literal["nearest", "stochastic"]
 DEFAULT_BLOCK_SIZES: dict[str, int] = {"int8": 256, "float8": 256, "int4": 128}
 """Elements per scale: 256 for int8 and float8 (finer than Dettmers et al.'s 2048),
 Li et al.'s 128 for int4."""
+
+DEFAULT_ROUNDINGS: dict[str, str] = {"int8": "nearest", "float8": "nearest", "int4": "stochastic"}
+"""Stochastic for int4: a residual below half a code step rounds to zero every step under
+nearest rounding, so error feedback never accumulates it, and int4's step is eighteen
+times int8's. docs/design.md, "Residual formats"."""
 
 _CODE_MAX = {
     "int8": 127.0,
@@ -164,18 +170,21 @@ class BlockFormat(ResidualFormat):
     A block of zeros has scale 0 and decodes to exact zeros. ``rounding="stochastic"``
     rounds ``x / scale`` down or up to a neighbouring code with the probabilities that make
     it unbiased (int8, int4: ``floor(x / scale + u)``, ``u ~ U[0, 1)``; float8: between the
-    two neighbouring e4m3fn values); :meth:`encode` then needs a key. Inputs must be finite.
+    two neighbouring e4m3fn values); :meth:`encode` then needs a key. The default,
+    ``None``, is :data:`DEFAULT_ROUNDINGS`' (stochastic for int4). Inputs must be finite.
     """
 
     codes: Codes = "int8"
     block_size: int | None = None
-    rounding: Rounding = "nearest"
+    rounding: Rounding | None = None  # None: DEFAULT_ROUNDINGS[codes]
 
     def __post_init__(self):
         if self.codes not in _CODE_MAX:
             raise ValueError(
                 f"BlockFormat.codes must be one of {sorted(_CODE_MAX)}, got {self.codes!r}."
             )
+        if self.rounding is None and self.codes in _CODE_MAX:
+            object.__setattr__(self, "rounding", DEFAULT_ROUNDINGS[self.codes])
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(
                 f"BlockFormat.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}."
@@ -360,7 +369,7 @@ def parse_format(value: Any) -> ResidualFormat:
 
     Names: ``"float32"``, ``"bfloat16"`` (and other floating dtype names, ``"float8_e4m3fn"``
     the legacy unscaled cast) give a :class:`FloatFormat`; ``"int8"``, ``"float8"``,
-    ``"int4"`` a :class:`BlockFormat` with the default block size, nearest rounding, and
+    ``"int4"`` a :class:`BlockFormat` with the default block size and rounding, and
     ``"int4/64/stochastic"`` (a :attr:`BlockFormat.name`) one with both given. A dtype
     (``jnp.bfloat16``, ``np.float32``, ...) gives its :class:`FloatFormat`: ``residual_dtype=``.
     """
@@ -381,7 +390,7 @@ def parse_format(value: Any) -> ResidualFormat:
                         f"Bad block size in residual format {value!r}; expected {accepted}."
                     )
                 block = int(parts[1])
-            rounding = parts[2] if len(parts) > 2 else "nearest"
+            rounding = parts[2] if len(parts) > 2 else None
             return BlockFormat(parts[0], block, rounding)
         if len(parts) == 1:
             try:

@@ -63,7 +63,7 @@ def _compiled(residual_format: str | None) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(
     "residual_format",
-    ["bfloat16", "int8", "float8", "int4", "int4/128/stochastic", "float8/256/stochastic"],
+    ["bfloat16", "int8", "float8", "int4", "int4/128/nearest", "float8/256/stochastic"],
 )
 def test_the_residual_formats_saving_reaches_the_guarded_peak(residual_format):
     """The peak drops by at least 0.9 of the residual bytes saved: compensating, sending

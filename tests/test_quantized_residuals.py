@@ -77,7 +77,8 @@ def _run(exchange, steps: int):
 
 
 def _block_bound(r: np.ndarray, fmt: residual_formats.BlockFormat) -> np.ndarray:
-    """Per element, the largest rounding error of ``fmt``'s nearest rounding of ``r``."""
+    """Per element, the largest rounding error of ``fmt``'s rounding of ``r``: half a step
+    for nearest rounding, a whole step for stochastic."""
     flat = r.reshape(-1)
     size = fmt.block_size
     padded = np.zeros(-(-flat.size // size) * size, np.float32)
@@ -89,6 +90,7 @@ def _block_bound(r: np.ndarray, fmt: residual_formats.BlockFormat) -> np.ndarray
         bound = np.broadcast_to(
             absmax / {"int8": 127, "int4": 7}[fmt.codes] / 2, (len(absmax), size)
         )
+    bound = bound * (2 if fmt.stochastic else 1)
     return bound.reshape(-1)[: flat.size].reshape(r.shape) * (1 + 1e-5) + 1e-12
 
 

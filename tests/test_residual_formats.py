@@ -58,7 +58,7 @@ def _per_element(v: np.ndarray, shape, block: int) -> np.ndarray:
 @pytest.mark.parametrize("codes", ["int8", "int4"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_nearest_integer_codes_within_half_a_step(codes, shape):
-    fmt = BlockFormat(codes)
+    fmt = BlockFormat(codes, rounding="nearest")
     x = _data(shape)
     stored = fmt.encode(jnp.asarray(x))
     scales = _ref_scales(x, codes, fmt.block_size)
@@ -161,7 +161,7 @@ def test_zeros_are_exact(codes, rounding):
 @pytest.mark.parametrize("shape", [*SHAPES, (0,), (2, 0)])
 def test_stored_bytes_are_the_encoded_arrays(codes, shape):
     for block in (DEFAULT_BLOCK_SIZES[codes], 6, 2):
-        fmt = BlockFormat(codes, block)
+        fmt = BlockFormat(codes, block, "nearest")
         stored = fmt.encode(jnp.zeros(shape, jnp.float32))
         assert isinstance(stored, Quantized)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(stored))
@@ -211,7 +211,7 @@ def test_add_decoded_is_g_plus_decode(small_blocks, fmt, shape):
 
 @pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
 def test_add_decoded_has_no_leaf_sized_temporary(codes):
-    fmt = BlockFormat(codes)
+    fmt = BlockFormat(codes, rounding="nearest")
     g = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB
     compiled = (
         jax.jit(fmt.add_decoded, donate_argnums=0).lower(g, fmt.stored_like(g.shape)).compile()
@@ -238,7 +238,7 @@ def _np_pack(q: np.ndarray) -> np.ndarray:
 
 
 def test_int4_packing_matches_numpy():
-    fmt = BlockFormat("int4", 8)
+    fmt = BlockFormat("int4", 8, "nearest")
     x = _data((13, 11), seed=7)
     stored = fmt.encode(jnp.asarray(x))
     packed = np.asarray(stored.codes)
@@ -253,7 +253,7 @@ def test_int4_packing_matches_numpy():
     codes = np.arange(-7, 8, dtype=np.int8)
     pairs = np.stack(np.meshgrid(codes, codes), -1).reshape(1, -1)
     stored = Quantized(jnp.asarray(_np_pack(pairs)), jnp.ones((1,), jnp.float32))
-    fmt2 = BlockFormat("int4", pairs.shape[1])
+    fmt2 = BlockFormat("int4", pairs.shape[1], "nearest")
     np.testing.assert_array_equal(np.asarray(fmt2.decode(stored, (pairs.shape[1],))), pairs[0])
 
 
@@ -282,7 +282,8 @@ def test_stochastic_rounding_is_unbiased(codes):
     tol = 6 * np.sqrt(step**2 / 4 / trials) + 1e-6 * np.abs(x)
     assert np.all(np.abs(mean - x) <= tol), float(np.max(np.abs(mean - x) / tol))
     # nearest rounding of the same values is biased on some elements (the test could fail)
-    nearest = np.asarray(BlockFormat(codes, 32).decode(BlockFormat(codes, 32).encode(x), x.shape))
+    near = BlockFormat(codes, 32, "nearest")
+    nearest = np.asarray(near.decode(near.encode(x), x.shape))
     assert np.any(np.abs(nearest - x) > tol)
 
 
@@ -325,7 +326,7 @@ def test_stochastic_rounding_depends_on_the_key_only(codes):
     np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(c.scales))
     with pytest.raises(ValueError, match=r"needs a jax\.random key"):
         fmt.encode(x)
-    assert fmt.stochastic and not BlockFormat(codes).stochastic
+    assert fmt.stochastic and not BlockFormat(codes, rounding="nearest").stochastic
 
 
 # ------------------------------------------------------------------ jit and vmap
@@ -371,7 +372,15 @@ def test_jit_and_vmap_match_eager(fmt):
 def test_parse_format_accepts():
     assert parse_format("int8") == BlockFormat("int8", 256, "nearest")
     assert parse_format("float8") == BlockFormat("float8", 256)
-    assert parse_format("int4") == BlockFormat("int4", 128)
+    assert parse_format("int4") == BlockFormat("int4", 128, "stochastic")
+    # the rounding's default is per code: stochastic only for int4
+    assert [BlockFormat(c).rounding for c in ("int8", "float8", "int4")] == [
+        "nearest",
+        "nearest",
+        "stochastic",
+    ]
+    assert parse_format("int4/64") == BlockFormat("int4", 64, "stochastic")
+    assert parse_format("int4/64/nearest").rounding == "nearest"
     assert parse_format("float32") == FloatFormat("float32")
     assert parse_format("bfloat16") == FloatFormat("bfloat16")
     assert parse_format("float8_e4m3fn") == FloatFormat("float8_e4m3fn")
