@@ -13,9 +13,10 @@ under every exchange variant and several seeds, with nothing else changed:
 * ``ef+bf16``, ``w+2d+bf16``: ``ef`` / ``w+2d`` with their residuals cast to bfloat16;
   ``ef+f8``, ``w+2d+f8``: cast to float8 (e4m3), compressed-momentum Adam only;
 * ``<store>+<format>`` for each store of ``STORES`` and format of ``FORMATS`` (e.g.
-  ``ef+int4``, ``w+2d+int8``): the residuals in a ``compression.residual_format``, codes
-  with a scale per block (beyond the papers). ``frontier.png`` plots them: residual bytes
-  against EF's, and the final metric against dense's, one point per store and format.
+  ``ef+int4/128/nearest``, ``w+2d+int8``): the residuals in a
+  ``compression.residual_format``, codes with a scale per block (beyond the papers).
+  ``frontier.png`` plots them: residual bytes against EF's, and the final metric against
+  dense's, one point per store and format.
 
 Seeds change the parameter initialization, the data order and the per-step PRNG keys;
 seed ``s`` is the same for every variant, so differences between variants are paired.
@@ -92,8 +93,8 @@ from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
 # SGD tasks only).
 STORES = ("ef", "w", "2d", "w+2d")
 # The memory-accuracy frontier's formats: codes with a float32 scale per block ("float8" is
-# e4m3 codes so scaled, unlike the "+f8" cast).
-FORMATS = ("bfloat16", "int8", "float8", "int4", "int4/128/stochastic")
+# e4m3 codes so scaled, unlike the "+f8" cast), int4 under both roundings.
+FORMATS = ("bfloat16", "int8", "float8", "int4/128/stochastic", "int4/128/nearest")
 VARIANTS = (
     "dense",
     "none",
@@ -149,6 +150,8 @@ def _byte_gpt_task(overrides: dict[str, Any], *, default_seeds: int, description
             # The remedies are rows (RECIPES): the task itself is AdamW with plain EF, even
             # where the config's default is a recipe.
             "optimizer.name": "adamw",
+            "optimizer.one_buffer": "off",  # compressed momentum's options (RECIPES)
+            "optimizer.frozen_nu_format": "float32",
             "compression.density_schedule.dense_fraction": 0.0,
             "compression.density_schedule.dense_dtype": "",  # recipes send float32
             # The config's intra_layers="auto" picks singletons holding >= 10 % of the
@@ -758,9 +761,15 @@ def plot_frontier(payload: dict[str, Any], path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(points), figsize=(5.5 * len(points), 4.4), squeeze=False)
+    cols = min(3, len(points))
+    rows_of_panels = -(-len(points) // cols)
+    fig, axes = plt.subplots(
+        rows_of_panels, cols, figsize=(5.5 * cols, 4.4 * rows_of_panels), squeeze=False
+    )
+    for ax in axes.flat[len(points) :]:
+        ax.set_visible(False)
     markers = dict(zip(STORES, "os^D", strict=True))
-    for ax, ((task_name, recipe), rows) in zip(axes[0], points.items(), strict=True):
+    for ax, ((task_name, recipe), rows) in zip(axes.flat, points.items(), strict=False):
         for variant, ratio, over in rows:
             store = next(
                 (s for s in sorted(STORES, key=len, reverse=True) if variant.startswith(s)),
