@@ -113,6 +113,9 @@ def train_case(scan: bool, steps: int, seed: int, scratch: str) -> dict[str, Any
     from train import train
 
     config = load_config("byte_gpt")
+    # The page's program: w+2d, its residuals in float32, the momentum in its own buffer.
+    config.compression.variant, config.compression.residual_format = "w+2d", ""
+    config.optimizer.one_buffer, config.optimizer.frozen_nu_format = "off", "float32"
     config.num_steps = steps
     config.seed = seed
     config.eval_every = steps

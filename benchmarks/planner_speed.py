@@ -49,7 +49,11 @@ from common import ROOT, add_output_arguments, environment, rerender, write_resu
 CONFIG = "configs/byte_gpt.py"
 # AdamW with EF: the planner weighs AdamW against AdamW-R (twice the candidates of
 # byte_gpt's own recipe, compressed-momentum Adam, which has one optimizer).
-ADAMW = ["--config.optimizer.name=adamw"]
+ADAMW = [
+    "--config.optimizer.name=adamw",
+    "--config.optimizer.one_buffer=off",  # compressed momentum's options
+    "--config.optimizer.frozen_nu_format=float32",
+]
 COMMANDS = {
     "1-step run": [*ADAMW, "--config.num_steps=1"],
     "plan 10MiB": [*ADAMW, "--config.memory.budget=10MiB", "--plan_only"],

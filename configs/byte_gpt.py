@@ -2,21 +2,21 @@
 
 The recommended recipe for Adam at top-k 1 % (docs/exchange.md, "Compressed momentum"):
 dense AdamW for the first 12.5 % of the steps, sent in bfloat16 (the bytes of 6.25 % in
-float32), then the second moment frozen and each worker's update direction sent
-compressed, its residual kept by ResiReduce w+2d. At width 64 the 2-D rule
-(``intra_layers="auto"``: singletons holding >= 10 % of the compressed elements) picks no
-layer, the byte embedding holding just under that, so the groups alone reduce the
-residuals; ``'--config.compression.intra_layers=^wte/embedding$'`` keeps the embedding's
-residual in 2-D too, ``--config.compression.variant=ef`` is plain error feedback. The
-perplexities these reach against dense, the bytes sent and the residual bytes:
-benchmarks/results/accuracy_400/accuracy.md (this config's 400 steps) and
-benchmarks/results/accuracy.md (1,200 steps).
-``--config.optimizer.name=adamw`` with ``--config.compression.density_schedule.dense_fraction=0``
-is error feedback on AdamW. The one-buffer form (each worker's momentum and error as one
-int4 buffer in its own store, the frozen second moment as 8-bit codes; docs/exchange.md,
-"One buffer for the momentum and its error"): ``--config.compression.variant=ef
---config.compression.residual_format=int4 --config.optimizer.one_buffer=on
---config.optimizer.frozen_nu_format=int8``.
+float32), then the second moment frozen, as 8-bit codes, and each worker's update
+direction sent compressed. Each worker keeps its momentum and its error as one buffer
+(docs/exchange.md, "One buffer for the momentum and its error"), in int4 codes with
+nearest rounding: the point of the memory-accuracy frontier
+(benchmarks/results/accuracy_formats/accuracy.md) that keeps the fewest bytes within 3 %
+of float32 error feedback's perplexity on this config's task.
+
+The paper's ResiReduce: ``--config.compression.variant=w+2d
+--config.compression.residual_format= --config.optimizer.one_buffer=off
+--config.optimizer.frozen_nu_format=float32`` (two float32 buffers, residuals shared by
+groups; ``'--config.compression.intra_layers=^wte/embedding$'`` keeps the embedding's in
+2-D too, since at width 64 the "auto" rule picks no layer). Plain error feedback on
+AdamW: ``--config.optimizer.name=adamw --config.optimizer.one_buffer=off
+--config.optimizer.frozen_nu_format=float32
+--config.compression.density_schedule.dense_fraction=0``.
 
 python -m train --config configs/byte_gpt.py --workdir /tmp/rr_bytes
 """
@@ -37,10 +37,13 @@ def get_config():
     c.optimizer.kwargs = {"b1": 0.9, "b2": 0.95}
     c.optimizer.weight_decay = 0.01
     c.optimizer.max_grad_norm = 1.0
+    c.optimizer.one_buffer = "on"  # the momentum kept in each worker's residual store
+    c.optimizer.frozen_nu_format = "int8"
     c.schedule.name = "warmup_cosine"
     c.schedule.warmup_epochs = 0.05
     c.schedule.end_factor = 0.1
-    c.compression.variant = "w+2d"
+    c.compression.variant = "ef"
+    c.compression.residual_format = "int4/128/nearest"
     c.compression.density = 0.01
     c.compression.density_schedule.dense_fraction = 0.125  # the warm-up that fixes v
     c.compression.density_schedule.dense_dtype = "bfloat16"

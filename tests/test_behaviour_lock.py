@@ -1,6 +1,7 @@
 """Results a refactor of the exchange must keep bit for bit, recorded from the code before
 the stores became objects: the byte GPT's parameters after 20 steps of the training
-program and its step's compiled figures (EF, w+2d, the recipe). A change here is a change
+program and its step's compiled figures (EF, w+2d, the compressed-momentum recipe with
+w+2d). A change here is a change
 of behaviour: it needs a reason, not a new digest."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ RECORDED = {
         "34cc16747a85ad0ed1bf68390dd6fef255ce3e72d8a0b9c0abc770f0bfd5957f",
         (2327344, 2326337, 2325264, 13267680),
     ),
-    "recipe": (
+    "w+2d_recipe": (
         {},
         "cbb92104a97923e3c085843ded8fb42ccda023e5e8d77655bcd0f3d3a2cb127d",
         (2327344, 2326337, 2325264, 13261136),
@@ -54,8 +55,12 @@ def _byte_gpt(changes: dict):
     spec.loader.exec_module(module)
     config = module.get_config()
     config.num_steps = config.eval_every = config.checkpoint_every = config.log_every = 20
-    if "variant" in changes:
-        config.compression.variant = changes["variant"]
+    # The recorded programs, whatever the config's defaults: float32 residuals, the momentum
+    # in its own buffer, the recipe's store w+2d.
+    config.compression.variant = changes.get("variant", "w+2d")
+    config.compression.residual_format = ""
+    config.optimizer.one_buffer = "off"
+    config.optimizer.frozen_nu_format = "float32"
     if "optimizer" in changes:  # error feedback on the optimizer itself, no warm-up
         config.optimizer.name = changes["optimizer"]
         config.compression.density_schedule.dense_fraction = 0.0

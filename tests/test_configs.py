@@ -445,7 +445,7 @@ def test_error_feedback_keeps_its_residuals_in_the_configs_residual_dtype(
     from train import compiled_step
 
     c = load_config("default")
-    c.compression.variant = "ef"
+    c.compression.variant, c.compression.residual_format = "ef", ""  # float32, one per leaf
     params = models.abstract_variables(c.model.name)["params"]
     plain = factory.build_exchange(c.compression)
     c.compression.residual_dtype = residual_dtype

@@ -335,16 +335,16 @@ def test_config_keys_reach_the_optimizer():
     from tests.test_train import load_config
     from train import config_schema, factory
 
-    c = load_config("byte_gpt")
-    assert (c.optimizer.one_buffer, c.optimizer.frozen_nu_format) == ("off", "float32")
+    c = load_config("byte_gpt")  # its default: one buffer, the frozen v in int8
+    assert (c.optimizer.one_buffer, c.optimizer.frozen_nu_format) == ("on", "int8")
     config_schema.validate(c)
     for key, value, match in (
-        ("one_buffer", "on", "variant='ef'"),  # w+2d: shared stores
+        ("variant", "w+2d", "variant='ef'"),  # one_buffer='on' with shared stores
         ("one_buffer", "yes", "one_buffer must be one of"),
         ("frozen_nu_format", "int4", "frozen_nu_format must be"),
     ):
         bad = load_config("byte_gpt")
-        bad.optimizer[key] = value
+        (bad.compression if key == "variant" else bad.optimizer)[key] = value
         with pytest.raises(config_schema.ConfigError, match=match):
             config_schema.validate(bad)
     c.compression.variant = "ef"

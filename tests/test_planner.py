@@ -474,6 +474,7 @@ def tiny_gpt():
     c.compression.min_size = 500
     # AdamW with EF: both optimizer versions (AdamW, AdamW-R) are candidates.
     c.optimizer.name = "adamw"
+    c.optimizer.one_buffer, c.optimizer.frozen_nu_format = "off", "float32"  # cm's options
     c.compression.density_schedule.dense_fraction = 0.0
     c.compression.density_schedule.dense_dtype = ""  # a warm-up set below is float32
     return c

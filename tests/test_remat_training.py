@@ -23,6 +23,7 @@ def tiny_byte_gpt(budget: str):
     # One program a run: error feedback on AdamW, no dense warm-up (remat.budget plans the
     # model alone, whatever the exchange and its density phases).
     c.optimizer.name = "adamw"
+    c.optimizer.one_buffer, c.optimizer.frozen_nu_format = "off", "float32"  # cm's options
     c.compression.density_schedule.dense_fraction = 0.0
     return c
 

@@ -120,6 +120,8 @@ def tiny_byte_gpt(scan_layers: bool, steps: int = 6, **changes) -> ml_collection
     # AdamW with EF: compressed-momentum Adam (the config's default) divides by the frozen
     # second moment, which magnifies float32 rounding between the two layouts.
     c.optimizer.name = "adamw"
+    c.optimizer.one_buffer, c.optimizer.frozen_nu_format = "off", "float32"  # cm's options
+    c.compression.variant, c.compression.residual_format = "w+2d", ""  # float32 w+2d
     c.compression.density_schedule.dense_fraction = 0.0
     c.dataset.context_length = 16
     c.batch_size_per_worker = 2

@@ -70,15 +70,19 @@ def small_digits(**changes) -> ml_collections.ConfigDict:
         ),
         (lambda c: c.dataset.__setitem__("context_length", 64), "no config field"),
         (
-            lambda c: c.compression.update(variant="none", residual_dtype="bfloat16"),
+            lambda c: c.compression.update(
+                variant="none", residual_dtype="bfloat16", residual_format=""
+            ),
             "residual_dtype='bfloat16' with compression.variant='none'.*keeps no residuals",
         ),
         (
-            lambda c: c.compression.update(variant="dgc", residual_dtype="bfloat16"),
+            lambda c: c.compression.update(
+                variant="dgc", residual_dtype="bfloat16", residual_format=""
+            ),
             "variant='dgc': DGC keeps its own",
         ),
         (
-            lambda c: c.compression.update(residual_dtype="float8_e4m3fn"),
+            lambda c: c.compression.update(residual_dtype="float8_e4m3fn", residual_format=""),
             "residual_dtype='float8_e4m3fn' with optimizer.name='sgd'.*compressed_momentum_adam",
         ),
         (lambda c: c.model.overrides.__setitem__("depth", 3), "no field"),
