@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
@@ -51,41 +50,17 @@ def _tx(kind, one_buffer, nu="float32", **exchange_kwargs):
     )
 
 
-class _Run:
+class _Run(th.ShardMapStep):
     """``tx`` under shard_map on ``mesh``, step by step, from ``init`` or a given state."""
 
     def __init__(self, tx, params, mesh=None):
-        self.mesh = mesh or th.mesh(W)
-        names = self.mesh.axis_names
-        self.axes = tuple(names) if len(names) > 1 else names[0]
-        self.specs = rr.parallel.state_partition_specs(tx, params, self.mesh, self.axes)
-        self.params = rr.parallel.replicated(params, self.mesh)
-        specs = self.specs
-
-        def init(p):
-            return rr.parallel.stack_per_worker(tx.init(p), specs)
-
-        def step(p, s, g):
-            s = rr.parallel.unstack_per_worker(s, specs)
-            out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-            return jax.tree.map(lambda x: x[None], out), rr.parallel.stack_per_worker(s, specs)
-
-        self.init = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))
-        self.step = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=self.mesh,
-                in_specs=(P(), specs, P(self.axes)),
-                out_specs=(P(self.axes), specs),
-            )
-        )
+        super().__init__(tx, params, W, on_mesh=mesh)
 
     def run(self, grads, state=None):
         state = self.init(self.params) if state is None else state
         outputs = []
         for g in grads:
-            g = jax.device_put(g, NamedSharding(self.mesh, P(self.axes)))
-            out, state = self.step(self.params, state, g)
+            out, state = self.step(self.params, state, self.shard_grads(g))
             outputs.append(jax.device_get(out))
         return outputs, state
 

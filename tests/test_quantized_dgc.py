@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
 from resireduce_jax import residual_formats
@@ -90,42 +89,18 @@ def _np_bound(x: np.ndarray, fmt: residual_formats.BlockFormat) -> np.ndarray:
 # One step at a time from a given per-worker state
 
 
-class _Stepper:
+class _Stepper(th.ShardMapStep):
     """``tx``'s init and one update under shard_map, every state leaf per worker."""
 
     def __init__(self, tx: optax.GradientTransformation, params=None, workers: int = WORKERS):
-        self.mesh = th.mesh(workers)
-        params = _params() if params is None else params
-        specs = rr.parallel.state_partition_specs(tx, params, self.mesh, th.AXIS)
-        self.specs = specs
-        params = rr.parallel.replicated(params, self.mesh)
-
-        def init(p):
-            return rr.parallel.stack_per_worker(tx.init(p), specs)
-
-        def step(p, s, g):
-            s = rr.parallel.unstack_per_worker(s, specs)
-            out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-            return jax.tree.map(lambda x: x[None], out), rr.parallel.stack_per_worker(s, specs)
-
-        self.params = params
-        self.init = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))
-        self._step = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=self.mesh,
-                in_specs=(P(), specs, P(th.AXIS)),
-                out_specs=(P(th.AXIS), specs),
-            )
-        )
+        super().__init__(tx, _params() if params is None else params, workers)
 
     def __call__(self, state, grads):
-        grads = jax.device_put(grads, NamedSharding(self.mesh, P(th.AXIS)))
         state = jax.device_put(
             state,
             jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs),
         )
-        out, state = self._step(self.params, state, grads)
+        out, state = self.step(self.params, state, self.shard_grads(grads))
         return jax.device_get(out), jax.device_get(state)
 
 

@@ -38,6 +38,48 @@ def step_memory(
     return rr.hlo.peak_memory(step.lower(p, s, batch, **lower).compile())
 
 
+class ShardMapStep:
+    """``tx``'s init and one update under shard_map on ``on_mesh`` (default: a 1-D mesh of
+    ``num_workers``), every state leaf per worker: ``init(params)`` and ``step(params,
+    state, grads)``, jitted; grads and outputs have a leading worker axis."""
+
+    def __init__(
+        self,
+        tx: optax.GradientTransformation,
+        params: Any,
+        num_workers: int = 8,
+        *,
+        on_mesh: Any = None,
+    ):
+        self.mesh = on_mesh if on_mesh is not None else mesh(num_workers)
+        names = self.mesh.axis_names
+        self.axes = tuple(names) if len(names) > 1 else names[0]
+        self.specs = specs = rr.parallel.state_partition_specs(tx, params, self.mesh, self.axes)
+        self.params = rr.parallel.replicated(params, self.mesh)
+
+        def init(p):
+            return rr.parallel.stack_per_worker(tx.init(p), specs)
+
+        def step(p, s, g):
+            s = rr.parallel.unstack_per_worker(s, specs)
+            out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+            # Every worker's view of the output and the state, stacked for inspection.
+            return jax.tree.map(lambda x: x[None], out), rr.parallel.stack_per_worker(s, specs)
+
+        self.init = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))
+        self.step = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=self.mesh,
+                in_specs=(P(), specs, P(self.axes)),
+                out_specs=(P(self.axes), specs),
+            )
+        )
+
+    def shard_grads(self, grads: Any) -> Any:
+        return jax.device_put(grads, NamedSharding(self.mesh, P(self.axes)))
+
+
 def run_shard_map(
     tx: optax.GradientTransformation,
     params: Any,
@@ -55,41 +97,13 @@ def run_shard_map(
     worker's copy of the update); ``state`` leaves have a leading worker axis (every leaf,
     replicated ones included, so workers can be compared).
     """
-    m = on_mesh if on_mesh is not None else mesh(num_workers)
-    num_workers = m.size
-    axes = tuple(m.axis_names) if len(m.axis_names) > 1 else m.axis_names[0]
-    specs = rr.parallel.state_partition_specs(tx, params, m, axes)
-    replicated_params = rr.parallel.replicated(params, m)
-
-    def init(p):
-        return rr.parallel.stack_per_worker(tx.init(p), specs)
-
-    state = jax.jit(jax.shard_map(init, mesh=m, in_specs=P(), out_specs=specs))(replicated_params)
-
-    def step(p, s, g):
-        s = rr.parallel.unstack_per_worker(s, specs)
-        g = jax.tree.map(lambda x: x[0], g)
-        out, s = tx.update(g, s, p)
-        # Every worker's view of the output and the state, stacked for inspection.
-        return (
-            jax.tree.map(lambda x: x[None], out),
-            rr.parallel.stack_per_worker(s, specs),
-        )
-
-    fn = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=m,
-            in_specs=(P(), specs, P(axes)),
-            out_specs=(P(axes), specs),
-        )
-    )
+    run = ShardMapStep(tx, params, num_workers, on_mesh=on_mesh)
+    state = run.init(run.params)
     outputs = []
     for grads in grads_per_step:
-        grads = jax.device_put(grads, NamedSharding(m, P(axes)))
-        out, state = fn(replicated_params, state, grads)
+        out, state = run.step(run.params, state, run.shard_grads(grads))
         outputs.append(jax.device_get(out))
-    return outputs, jax.device_get(_broadcast_replicated(state, specs, num_workers))
+    return outputs, jax.device_get(_broadcast_replicated(state, run.specs, run.mesh.size))
 
 
 def _broadcast_replicated(state, specs, num_workers):
