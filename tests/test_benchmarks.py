@@ -193,11 +193,11 @@ def test_memory_report_has_the_variant_beside_ef_and_dense():
     report = compiled_step.memory_report(
         common.load_config("default"), 4, num_workers=2, guard=False
     )
-    assert [r["variant"] for r in report.rows] == ["w+2d", "ef", "dense"]
+    assert [r["variant"] for r in report.rows] == ["w+2d+int4", "ef", "dense"]
     assert report.row("dense")["residuals"] == 0
-    assert report.row("w+2d")["residuals"] < report.row("ef")["residuals"]
+    assert report.row("w+2d+int4")["residuals"] < report.row("ef")["residuals"]
     text = report.text()
-    assert "w+2d" in text and "dense" in text and "peak MiB" in text
+    assert "w+2d+int4" in text and "dense" in text and "peak MiB" in text
 
 
 def _accuracy_payload(runs, variants, command):

@@ -17,12 +17,15 @@ import pytest
 import resireduce_jax as rr
 from tests.test_cli import assert_user_error, run_cli
 from tests.test_multiprocess import assert_close_to_one_process, run_to_completion
+from tests.test_quantized_dgc import _np_decode
 from tests.test_train import restore_checkpoint, small_digits
 from train import checkpointing, config_schema, residual_analysis, train
 from train import metrics as metrics_lib
 
 L = 4
 SHARED = "hidden_*/kernel[256x256]#0"  # hidden_1..3 share one weighted residual (256 x 256)
+# The default config keeps its residuals as int4 codes, a float32 scale per 128 values.
+BLOCK = 128
 
 
 def short(**changes):
@@ -43,6 +46,18 @@ def _exchange_state(tree) -> rr.ExchangeState:
         if isinstance(x, rr.ExchangeState)
     ]
     return state
+
+
+def _decoded_shards(stored: rr.residual_formats.Quantized, rows: int) -> np.ndarray:
+    """Every device's shard of a 256-column store in int4, decoded: ``[devices, rows, 256]``."""
+    at = lambda d: jax.tree.map(lambda x: np.asarray(x)[d], stored)
+    return np.stack([_np_decode(at(d), "int4", (rows, 256)) for d in range(8)])
+
+
+def _code_steps(stored: rr.residual_formats.Quantized, rows: int) -> np.ndarray:
+    """One int4 code step (the block's scale) per value of every device's shard."""
+    steps = np.repeat(np.asarray(stored.scales), BLOCK, axis=1)
+    return steps[:, : rows * 256].reshape(8, rows, 256)
 
 
 def _node_residuals(shards: np.ndarray, local: int, rows: int) -> np.ndarray:
@@ -121,17 +136,21 @@ def test_hierarchical_run_trains_with_a_quarter_of_the_residual_per_device(tmp_p
     memory = summary.memory
     per_device, flat = memory["residual_bytes_per_device"], memory["flat_residual_bytes_per_device"]
     assert memory["local_devices"] == L and memory["reduced"]["residuals"] == per_device
-    # Flat / L, plus the padding of shards and the indices of the 2-D store (a few %).
-    assert flat / L <= per_device <= 1.02 * flat / L, (per_device, flat)
+    # Flat / L, plus the 2-D store's 128 kept output-unit indices (int32), which every
+    # shard of hidden_0/kernel keeps whole; the blocks divide the shards evenly.
+    assert flat / L <= per_device <= flat / L + 128 * 4, (per_device, flat)
     compiled = {r["variant"]: r for r in memory["compiled_peak"]["rows"]}
-    assert compiled["w+2d"]["residuals"] == per_device
+    assert compiled["w+2d+int4"]["residuals"] == per_device
 
     # The sharded state as checkpointed: 8 devices' arrays, together 8 x the report.
     residuals = _residual_leaves(train.final_state(workdir))
     assert residuals and all(x.shape[0] == 8 for x in residuals)
     assert sum(x.nbytes for x in residuals) == 8 * per_device
-    shared = [x for x in residuals if x.shape[1:] == (256 // L, 256)]
-    assert len(shared) == 1  # the shared group's residual: a quarter of the rows per device
+    # The shared group's residual: a quarter of the rows per device, as codes and scales.
+    leaves = jax.tree_util.tree_flatten_with_path(train.final_state(workdir)["opt_state"])[0]
+    shared = {jax.tree_util.keystr(p): x.shape for p, x in leaves if SHARED in str(p)}
+    blocks = 256 // L * 256 // BLOCK
+    assert sorted(shared.values()) == [(8, blocks), (8, blocks, BLOCK // 2)]
 
 
 def test_one_local_device_is_the_flat_run_bit_for_bit(tmp_path):
@@ -152,14 +171,19 @@ def test_residual_analysis_puts_a_node_residual_together_from_its_shards():
     assert store.shard is not None and store.group.shape == (256 // L, 256)
     exchange = _exchange_state(state.opt_state)
     stored = exchange.residuals[store.group.label]
-    values = np.arange(stored.size, dtype=np.float32).reshape(stored.shape)  # 8 devices' shards
-    filled = exchange._replace(
-        residuals={**exchange.residuals, store.group.label: jax.device_put(values, stored.sharding)}
+    rng = np.random.default_rng(0)  # 8 devices' shards: every code, distinct scales
+    codes = rng.integers(0, 256, stored.codes.shape, dtype=np.uint8)
+    scales = rng.uniform(0.5, 2.0, stored.scales.shape).astype(np.float32)
+    values = stored._replace(
+        codes=jax.device_put(codes, stored.codes.sharding),
+        scales=jax.device_put(scales, stored.scales.sharding),
     )
+    filled = exchange._replace(residuals={**exchange.residuals, store.group.label: values})
+    shards = _decoded_shards(values, 256 // L)
     for worker, node in ((0, 0), (5, 1)):
         found = residual_analysis.per_leaf_residuals([filled], plan, worker=worker)
         np.testing.assert_array_equal(
-            found["hidden_1/kernel"], values[node * L : (node + 1) * L].reshape(256, 256)
+            found["hidden_1/kernel"], shards[node * L : (node + 1) * L].reshape(256, 256)
         )
 
 
@@ -192,11 +216,16 @@ def test_checkpoints_keep_the_shards_and_a_new_layout_follows_the_policy(tmp_pat
     # Redistributed: every node of the new layout owes the old nodes' mean residual.
     old = _exchange_state(restore_checkpoint(split, config, 6))
     new = _exchange_state(restore_checkpoint(split, short(local_devices=2), 6))
-    assert old.residuals[SHARED].shape == (8, 256 // L, 256)
-    assert new.residuals[SHARED].shape == (8, 256 // 2, 256)
-    owed = _node_residuals(old.residuals[SHARED], L, 256).mean(0)
-    for node in _node_residuals(new.residuals[SHARED], 2, 256):
-        np.testing.assert_allclose(node, owed, rtol=1e-6, atol=1e-7)
+    # (Re-encoded: within one code step of stochastic rounding.)
+    before, after = old.residuals[SHARED], new.residuals[SHARED]
+    assert before.codes.shape == (8, 256 // L * 256 // BLOCK, BLOCK // 2)
+    assert after.codes.shape == (8, 256 // 2 * 256 // BLOCK, BLOCK // 2)
+    owed = _node_residuals(_decoded_shards(before, 256 // L), L, 256).astype(np.float64).mean(0)
+    got = _node_residuals(_decoded_shards(after, 256 // 2), 2, 256)
+    steps = _node_residuals(_code_steps(after, 256 // 2), 2, 256)
+    assert (owed != 0).any()
+    for node, step in zip(got, steps, strict=True):
+        assert (np.abs(node - owed) <= step * (1 + 1e-5) + 1e-12).all()
     np.testing.assert_array_equal(new.count, old.count)
 
     # ... and training goes on from there.
@@ -204,7 +233,7 @@ def test_checkpoints_keep_the_shards_and_a_new_layout_follows_the_policy(tmp_pat
     summary = train.train_and_evaluate(two, split)
     assert summary.step == 8 and np.isfinite(summary.train["loss"])
     residuals = _residual_leaves(train.final_state(split))
-    assert any(x.shape == (8, 256 // 2, 256) for x in residuals)
+    assert any(x.shape == (8, 256 // 2 * 256 // BLOCK, BLOCK // 2) for x in residuals)
 
 
 # ------------------------------------------------------------------ multi-process

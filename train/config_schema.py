@@ -473,8 +473,9 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _check(
         not residual_format or comp.variant not in ("dense", "none"),
         f"compression.residual_format={residual_format!r} with compression.variant="
-        f"{comp.variant!r}: this variant keeps no residuals; unset residual_format or choose "
-        "a variant with residuals (ef, dgc, w+2d, ...).",
+        f"{comp.variant!r}: this variant keeps no residuals; unset the format "
+        "(--config.compression.residual_format='') or choose a variant with residuals "
+        "(ef, dgc, w+2d, ...).",
     )
     _check(
         not comp.residual_dtype or comp.variant not in ("dense", "none", "dgc"),
