@@ -546,6 +546,40 @@ class _Step:
         mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)
         return residual, _Sent(mean, _where_skip(self.skip, cstate, new_cstate), local)
 
+    def carries_in_place(self, unit: int) -> bool:
+        """Whether unit ``unit``'s carried store takes the exchange's mean into its own
+        buffer (:meth:`send_carried`): a flat store in a program of one density phase."""
+        return self.static is not None and self.plan.store_shard(unit) is None
+
+    def send_carried(
+        self, unit: int, x: jax.Array, cstate: Any, residual_skip: jax.Array | None
+    ) -> tuple[jax.Array, Callable[[Any], tuple[_Sent, Any]]]:
+        """:meth:`send` for a carried store (:meth:`carries_in_place`): ``(factor * mean +
+        residual, sent)``, where ``sent(kept) -> (_Sent, kept)`` takes the mean once ``kept``
+        (the stored value, returned to be used in its place) is made, so the residual's
+        buffer and the mean's are not alive together."""
+        exchange = self.exchange
+        compressor = exchange.phases[self.static].compressor
+        key = leaf_key(exchange.seed, self.count, unit, compressor, self.payload_axes, None)
+        own = cstate.phases[self.static] if isinstance(cstate, PhaseStates) else cstate
+        reduced = compressor.reduce_carried(
+            x, own, key, self.payload_axes, self.carry.factor, skip=residual_skip
+        )
+        new_cstate = reduced.state
+        if isinstance(cstate, PhaseStates):
+            new_cstate = PhaseStates(
+                tuple(new_cstate if n == self.static else c for n, c in enumerate(cstate.phases))
+            )
+
+        def sent(kept: Any) -> tuple[_Sent, Any]:
+            payload, kept = ordered(reduced.payload, kept)
+            like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            mean = compressor.aggregate(payload, like, self.payload_axes)
+            mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)
+            return _Sent(mean, _where_skip(self.skip, cstate, new_cstate), mean), kept
+
+        return reduced.residual, sent
+
 
 class _LeafPass(NamedTuple):
     """The per-leaf pass's results: what was sent per leaf, the new stored residuals, and
@@ -597,6 +631,13 @@ def _leaf_pass(
         else:
             x = arrays[i]
         x, read = store.read_compensated(x, ordered_reads=True)
+        if step.carried(j) and hold is False and step.carries_in_place(i):
+            w, sent_after = step.send_carried(i, x, cstates[j], store.residual_skip(skip))
+            key = functools.partial(step.selection_key, i, store)
+            kept[label] = store.finish(w, stored, read, key, skip)
+            kept[label] = _held(skip if skip is not None else False, stored, kept[label])
+            sent[j], kept[label] = sent_after(kept[label])
+            continue
         r, sent[j] = step.send(i, x, cstates[j], store.residual_skip(skip))
         if hold is True:
             kept[label] = stored

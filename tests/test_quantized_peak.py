@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import resireduce_jax as rr
+from tests import transform_harness as th
 
 WORKERS = 8
 BATCH = 512  # per worker: the activations alive when the last layers are exchanged
@@ -43,20 +42,11 @@ def _compiled(residual_format: str | None) -> tuple[int, int, int]:
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
     exchange = rr.error_feedback(rr.compressors.topk(0.01), residual_format=residual_format)
     tx = rr.skip_nonfinite(optax.chain(exchange, optax.sgd(0.1, momentum=0.9)))
-    mesh = rr.parallel.make_mesh(WORKERS)
-    step = rr.parallel.data_parallel_step(_loss, tx, mesh)
-    step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
-    replicated = NamedSharding(mesh, P())
-    params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params
-    )
-    sharded = NamedSharding(mesh, P("data"))
     batch = {
-        "x": jax.ShapeDtypeStruct((WORKERS * BATCH, 256), jnp.float32, sharding=sharded),
-        "label": jax.ShapeDtypeStruct((WORKERS * BATCH,), jnp.int32, sharding=sharded),
+        "x": jax.ShapeDtypeStruct((WORKERS * BATCH, 256), jnp.float32),
+        "label": jax.ShapeDtypeStruct((WORKERS * BATCH,), jnp.int32),
     }
-    compiled = step.lower(params, state, batch).compile()
-    peak = rr.hlo.peak_memory(compiled)
+    peak = th.abstract_step_memory(_loss, tx, params, batch, th.mesh(WORKERS))
     residuals = rr.memory.model_state_bytes(params, tx).residuals
     return peak.peak, peak.temp, residuals
 

@@ -4,7 +4,7 @@
 given per worker (leading axis = worker), returning the per-step outputs and the final
 state with a leading worker axis on every leaf, so tests can compare workers with each
 other and with numpy references. ``step_memory`` compiles a data-parallel train step and
-reads its peak-memory figures.
+reads its peak-memory figures (``abstract_step_memory``: from shapes alone).
 """
 
 from __future__ import annotations
@@ -36,6 +36,25 @@ def step_memory(
     step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
     p, s = step.init(params)
     return rr.hlo.peak_memory(step.lower(p, s, batch, **lower).compile())
+
+
+def abstract_step_memory(
+    loss_fn: Any, tx: optax.GradientTransformation, params: Any, batch: Any, mesh, **lower
+) -> rr.hlo.PeakMemory:
+    """:func:`step_memory` from ``jax.ShapeDtypeStruct`` s alone: ``params`` replicated,
+    ``batch`` (global shapes) split over the workers, the state abstract; nothing is
+    allocated."""
+    step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
+    step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
+
+    def placed(tree, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+        )
+
+    lowered = step.lower(placed(params, P()), state, placed(batch, P(AXIS)), **lower)
+    return rr.hlo.peak_memory(lowered.compile())
 
 
 class ShardMapStep:

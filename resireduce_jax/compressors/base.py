@@ -43,6 +43,7 @@ __all__ = [
     "leaf_window",
     "ordered",
     "sparse_mean",
+    "sparse_mean_into",
     "sparse_means",
     "varying_as",
     "zeros_for",
@@ -58,11 +59,14 @@ class Reduced(NamedTuple):
         error feedback keeps). For compressors whose reconstruction is collective (PowerSGD)
         it is ``x`` minus the reconstruction the method defines.
       state: the compressor's new per-leaf state (``()`` for stateless compressors).
+      payload: set by :meth:`Compressor.reduce_carried` only (``mean`` is then ``None``):
+        this worker's payload, whose :meth:`Compressor.aggregate` is the mean.
     """
 
-    mean: jax.Array
+    mean: jax.Array | None
     residual: jax.Array
     state: PyTree
+    payload: PyTree = None
 
 
 class Compressor(abc.ABC):
@@ -169,6 +173,44 @@ class Compressor(abc.ABC):
         # a no-op at run time and changes no value.
         x, payload = lax.optimization_barrier((x, payload))
         return Reduced(mean=mean, residual=self.residual(x, payload, skip), state=new_state)
+
+    def reduce_carried(
+        self,
+        x: jax.Array,
+        state: PyTree,
+        key: jax.Array | None,
+        axis_name: str,
+        factor: float,
+        skip: jax.Array | None = None,
+    ) -> Reduced:
+        """:meth:`reduce` for a store that keeps ``factor * mean + residual`` (the one-buffer
+        compressed momentum, :class:`~resireduce_jax.residual_stores.Carry`).
+
+        The mean is added into the residual's own buffer (:meth:`aggregate_into`) and not
+        returned: ``Reduced.payload`` is, for the caller to take the mean with
+        :meth:`aggregate` once it has stored the residual. One leaf-sized buffer is then
+        alive at a time, where ``residual + factor * mean`` needs two.
+        """
+        like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        payload, new_state, x = self.compress_consuming(x, state, key)
+        x, payload = lax.optimization_barrier((x, payload))  # as in reduce
+        r = self.residual(x, payload, skip)
+        r, payload = ordered(r, payload)
+        kept = self.aggregate_into(payload, like, axis_name, r, factor)
+        return Reduced(mean=None, residual=kept, state=new_state, payload=payload)
+
+    def aggregate_into(
+        self,
+        payload: PyTree,
+        like: jax.ShapeDtypeStruct,
+        axis_name: str,
+        acc: jax.Array,
+        factor: float,
+    ) -> jax.Array:
+        """``acc + factor * aggregate(payload)``; sparse compressors add the payloads into
+        ``acc``'s buffer without a dense mean."""
+        mean = self.aggregate(payload, like, axis_name)
+        return acc + factor * mean.astype(acc.dtype)
 
     def reduce_slices(
         self,
@@ -390,6 +432,25 @@ def sparse_mean(
     zeros, (all_values, all_indices) = zeros_for((n,), acc_dtype, (all_values, all_indices))
     total = lax.fori_loop(0, workers, add_worker, zeros)
     return (total / workers).astype(like.dtype).reshape(like.shape)
+
+
+def sparse_mean_into(
+    values: jax.Array, indices: jax.Array, acc: jax.Array, axis_name: str, factor: float
+) -> jax.Array:
+    """``acc + factor * sparse_mean(values, indices, acc, axis_name)``, the payloads
+    scatter-added into ``acc``'s own buffer worker after worker (``factor / workers`` times
+    each value; indices as :func:`sparse_mean` takes them)."""
+    all_values = all_gather(values, axis_name)
+    all_indices = all_gather(indices, axis_name)
+    workers = all_values.shape[0]
+    scale = jnp.asarray(factor / workers, acc.dtype)
+
+    def add_worker(w, flat):
+        part = all_values[w].astype(flat.dtype) * scale
+        return flat.at[all_indices[w]].add(part, mode="drop", unique_indices=True)
+
+    flat = lax.fori_loop(0, workers, add_worker, acc.reshape(-1))
+    return flat.reshape(acc.shape)
 
 
 def sparse_means(

@@ -28,6 +28,7 @@ from resireduce_jax.compressors.base import (
     dense_mean,
     leaf_window,
     sparse_mean,
+    sparse_mean_into,
     sparse_means,
     varying_as,
 )
@@ -119,6 +120,9 @@ class _SparseBase(Compressor):
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
         return sparse_mean(payload.values, payload.indices, like, axis_name)
+
+    def aggregate_into(self, payload: SparsePayload, like, axis_name, acc, factor):
+        return sparse_mean_into(payload.values, payload.indices, acc, axis_name, factor)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: Any) -> int:
         return self.k(math.prod(shape)) * (np.dtype(dtype).itemsize + 4)
@@ -282,6 +286,8 @@ class RandomK(_SparseBase):
         if self.scaled:  # D(Q(x)) = size * x_i at the chosen index, not x_i.
             return Compressor.residual(self, x, payload, skip)
         return super().residual(x, payload, skip)
+
+    aggregate_into = Compressor.aggregate_into  # its own aggregate, then the sum
 
     def aggregate(self, payload: SparsePayload, like, axis_name):
         # Same indices on every worker: sum the k values densely, scatter once.
