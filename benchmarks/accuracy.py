@@ -73,7 +73,6 @@ Writes ``benchmarks/results/accuracy.{json,md,png}`` and ``frontier.png``. Usage
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import json
@@ -86,7 +85,15 @@ import tempfile
 import time
 from typing import Any, NamedTuple
 
-from common import NUM_WORKERS, RESULTS, environment, load_config, write_results
+from common import (
+    NUM_WORKERS,
+    RESULTS,
+    environment,
+    load_config,
+    parse_assignment,
+    set_dotted,
+    write_results,
+)
 
 # Exchange variants (train/compiled_step.py vocabulary: "+bf16" / "+f8" = residuals cast to
 # bfloat16 / float8; "+<format>" = a compression.residual_format; "dgc": DGC's own memory,
@@ -318,29 +325,6 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 LR_WARMUP_FRACTION = 0.05
-
-
-def parse_assignment(text: str) -> tuple[str, Any]:
-    """``"optimizer.max_grad_norm=None"`` -> ``("optimizer.max_grad_norm", None)``."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}.")
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value  # a bare string such as w+2d
-    return key.strip(), parsed
-
-
-def set_dotted(config, key: str, value: Any) -> None:
-    *sections, leaf = key.split(".")
-    node = config
-    for section in sections:
-        node = node[section]
-    if leaf not in node:
-        raise ValueError(f"Unknown config key {key!r} (see train/config_schema.py).")
-    with node.ignore_type():
-        node[leaf] = value
 
 
 def build_config(

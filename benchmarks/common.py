@@ -20,6 +20,7 @@ the page, :func:`rerender` does both; :func:`add_output_arguments` adds that fla
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -191,3 +192,27 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(payload, indent=indent, default=repr) + "\n")
     return write_markdown(name, markdown, out, echo=echo)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``"optimizer.max_grad_norm=None"`` -> ``("optimizer.max_grad_norm", None)``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}.")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value  # a bare string such as w+2d
+    return key.strip(), parsed
+
+
+def set_dotted(config, key: str, value: Any) -> None:
+    """``config[key] = value`` for a dotted ``key``; an unknown key is refused."""
+    *sections, leaf = key.split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    if leaf not in node:
+        raise ValueError(f"Unknown config key {key!r} (see train/config_schema.py).")
+    with node.ignore_type():
+        node[leaf] = value

@@ -16,6 +16,10 @@ and lists what is alive at the peak. What the figures mean: ``results/peak_memor
         --selection-scope global --variants w+2d   # whole-model Top-k, EF and w+2d
     python benchmarks/peak_memory.py --guard both --variants formats \
         --out benchmarks/results/peak_memory_formats   # EF's residual formats, w+2d+int4
+    python benchmarks/peak_memory.py --models gpt2_medium bert_base --guard guard \
+        --optimizer compressed_momentum_adam --variants ef ef+int4/128/nearest \
+        --variant-set optimizer.one_buffer=on --variant-set optimizer.frozen_nu_format=int8 \
+        --out benchmarks/results/peak_memory_one_buffer   # one buffer vs two-buffer EF
     python benchmarks/peak_memory.py --from-json           # re-render the markdown
 """
 
@@ -40,7 +44,9 @@ from common import (
     MiB,
     environment,
     guard_name,
+    parse_assignment,
     rerender,
+    set_dotted,
     write_results,
 )
 
@@ -331,11 +337,13 @@ def _explain_in_subprocess(
     dump_root: str,
     optimizer: str | None = None,
     selection_scope: str = "leaf",
+    overrides: dict[str, Any] | None = None,
 ) -> dict:
     """XLA dump flags are fixed at start-up: compile one step in a child process."""
     import subprocess
 
-    dump_dir = os.path.join(dump_root, f"{model}_{variant.replace('+', '_')}_{guard_name(guard)}")
+    name = re.sub(r"[+/]", "_", variant) + ("_set" if overrides else "")
+    dump_dir = os.path.join(dump_root, f"{model}_{name}_{guard_name(guard)}")
     os.makedirs(dump_dir, exist_ok=True)
     flags = f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*jit_train_step.*"
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + flags}
@@ -343,6 +351,8 @@ def _explain_in_subprocess(
     flag = guard if isinstance(guard, str) else str(int(guard))
     cmd += ["--_guard", flag, *(["--optimizer", optimizer] if optimizer else [])]
     cmd += ["--selection-scope", selection_scope]
+    for key, value in (overrides or {}).items():
+        cmd += ["--variant-set", f"{key}={value!r}"]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return {**live_at_peak(dump_dir), "temp_packing": temp_packing(dump_dir)}
 
@@ -356,10 +366,12 @@ def _compile(
     guard: bool | str,
     optimizer: str | None = None,
     selection_scope: str = "leaf",
+    overrides: dict[str, Any] | None = None,
 ):
     """``guard``: ``False``, ``True`` (the config's guard mode) or a guard mode name;
     ``optimizer``: the training program's optimizer name in place of the config's;
-    ``selection_scope``: ``compression.selection_scope`` (``"global"``: whole-model Top-k).
+    ``selection_scope``: ``compression.selection_scope`` (``"global"``: whole-model Top-k);
+    ``overrides``: dotted config keys set last (``{"optimizer.one_buffer": "on"}``).
 
     The last phase of the density schedule is compiled; a compressed-momentum optimizer
     gets the recipe's dense warm-up (:data:`CM_DENSE_FRACTION` of the steps; the Adam one
@@ -376,6 +388,8 @@ def _compile(
         schedule = config.compression.density_schedule
         if optimizer.startswith("compressed_momentum") and not schedule.dense_fraction:
             schedule.dense_fraction = CM_DENSE_FRACTION
+    for key, value in (overrides or {}).items():
+        set_dotted(config, key, value)
     return compiled_step.compile_step(
         config,
         variant=variant,
@@ -393,30 +407,41 @@ def measure(
     variants: tuple[str, ...] | None = None,
     optimizer: str | None = None,
     selection_scope: str = "leaf",
+    variant_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compiles EF and each of ``variants`` (default: the config's) and compares them
-    (``optimizer``, ``selection_scope``: see :func:`_compile`).
+    (``optimizer``, ``selection_scope``: see :func:`_compile`). ``variant_overrides``:
+    config keys set for the variants but not for the EF they are compared with.
 
-    The top-level ``variant``, ``state_saving``, ``peak_drop`` and ``ratio`` are those of
-    the first variant.
+    The state saving is of the optimizer and residual state together (the same optimizer
+    state unless ``variant_overrides`` change it). The top-level ``variant``,
+    ``state_saving``, ``peak_drop`` and ``ratio`` are those of the first variant.
     """
-    import resireduce_jax as rr
+    from train import compiled_step
 
     variants = tuple(variants or (case.load().compression.variant,))
+    # With variant_overrides a variant is labelled "<variant>*", beside EF without them.
+    label = (lambda v: f"{v}*") if variant_overrides else (lambda v: v)
+    jobs = [("ef", "ef", None)] + [(label(v), v, variant_overrides) for v in variants]
     steps: dict[str, dict[str, Any]] = {}
-    for variant in ("ef", *variants):
-        step = _compile(case, variant, guard, optimizer, selection_scope)
-        steps[variant] = {
+    for key, variant, overrides in dict((job[0], job) for job in jobs).values():
+        step = _compile(case, variant, guard, optimizer, selection_scope, overrides)
+        states = compiled_step.state_bytes(step.params, step.tx, step.mesh)  # per worker
+        steps[key] = {
             **step.peak.as_dict(),
-            "residual_bytes": rr.memory.model_state_bytes(step.params, step.tx).residuals,
+            "residual_bytes": states.residuals,
+            "optimizer_bytes": states.optimizer,
             "compile_seconds": step.compile_seconds,
             "copies": copy_summary(step.compiled.as_text()),
         }
         del step
+    variants = tuple(label(v) for v in variants)
     ef = steps["ef"]
     for variant in variants:
         s = steps[variant]
-        s["state_saving"] = ef["residual_bytes"] - s["residual_bytes"]
+        s["state_saving"] = (ef["residual_bytes"] + ef.get("optimizer_bytes", 0)) - (
+            s["residual_bytes"] + s.get("optimizer_bytes", 0)
+        )
         s["peak_drop"] = ef["peak"] - s["peak"]
         s["ratio"] = s["peak_drop"] / s["state_saving"] if s["state_saving"] else float("nan")
     first = steps[variants[0]]
@@ -426,6 +451,7 @@ def measure(
         "description": case.description,
         "optimizer": optimizer,
         "selection_scope": selection_scope,
+        "variant_overrides": variant_overrides,
         "steps": steps,
         "variant": variants[0],
         **{k: first[k] for k in ("state_saving", "peak_drop", "ratio")},
@@ -437,11 +463,15 @@ def _mib(nbytes: float) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
+    # Variants with their own optimizer state (--variant-set) are compared over the
+    # optimizer and residual state together, with an optimizer column.
+    optimizer = any(r.get("variant_overrides") for r in results)
+    state = "optimizer and residual bytes" if optimizer else "residual bytes"
     lines = [
         "# Residual variants vs plain EF at the compiled peak of the train step",
         "",
         "Per worker, MiB; peak = argument + output - alias + temp of the compiled step, "
-        "drop / saving = (EF's peak - the variant's) / (EF's residual bytes - the "
+        f"drop / saving = (EF's peak - the variant's) / (EF's {state} - the "
         "variant's). What is measured and where the goal holds: below the tables.",
         "",
     ]
@@ -461,11 +491,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 if rows[0].get("selection_scope") == "global"
                 else []
             ),
+            *(
+                [
+                    "`*`: the variant with "
+                    + ", ".join(f"`{k}={v!r}`" for k, v in rows[0]["variant_overrides"].items())
+                    + "; `ef` without them.",
+                    "",
+                ]
+                if rows[0].get("variant_overrides")
+                else []
+            ),
         ]
+        column = " optimizer |" if optimizer else ""
         lines += [
-            "| guard | variant | peak | temp | residuals | state saving | peak drop "
+            f"| guard | variant | peak | temp |{column} residuals | state saving | peak drop "
             "| drop / saving |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---:|---:|" + "---:|" * (5 if optimizer else 4),
         ]
         for r in rows:
             for variant, s in r["steps"].items():
@@ -474,9 +515,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
                     if variant != "ef"
                     else "– | – | –"
                 )
+                cell = f" {_mib(s['optimizer_bytes'])} |" if optimizer else ""
                 lines.append(
                     f"| {guard_name(r['guard'])} | {variant} | {_mib(s['peak'])} "
-                    f"| {_mib(s['temp'])} | {_mib(s['residual_bytes'])} | {compared} |"
+                    f"| {_mib(s['temp'])} |{cell} {_mib(s['residual_bytes'])} | {compared} |"
                 )
         lines.append("")
     lines += ["<!-- prose: about -->", ""]
@@ -557,6 +599,16 @@ def main(argv: list[str] | None = None) -> None:
         default="leaf",
         help="compression.selection_scope of every step (global: whole-model Top-k)",
     )
+    parser.add_argument(
+        "--variant-set",
+        dest="variant_overrides",
+        action="append",
+        type=parse_assignment,
+        default=[],
+        metavar="KEY=VALUE",
+        help="config key set for the variants but not for EF (labelled '<variant>*'), e.g. "
+        "optimizer.one_buffer=on",
+    )
     parser.add_argument("--out", default=None, help="directory for peak_memory.{json,md}")
     parser.add_argument(
         "--explain", metavar="DIR", help="dump the steps and show what is alive at the peak"
@@ -579,7 +631,10 @@ def main(argv: list[str] | None = None) -> None:
     runtime.configure_cpu(NUM_WORKERS)
     if args._one:  # child process of --explain: compile one step with dump flags
         guard = {"0": False, "1": True}.get(args._guard, args._guard)
-        _compile(CASES[args.models[0]], args._one, guard, args.optimizer, args.selection_scope)
+        overrides = dict(args.variant_overrides) or None
+        _compile(
+            CASES[args.models[0]], args._one, guard, args.optimizer, args.selection_scope, overrides
+        )
         return
 
     guards = {
@@ -593,15 +648,33 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         for guard in guards:
             scope = args.selection_scope
-            r = measure(name, CASES[name], guard, tuple(args.variants), args.optimizer, scope)
+            r = measure(
+                name,
+                CASES[name],
+                guard,
+                tuple(args.variants),
+                args.optimizer,
+                scope,
+                dict(args.variant_overrides) or None,
+            )
             if args.explain:
+                overrides = dict(args.variant_overrides)
                 r["explain"] = {
-                    v: _explain_in_subprocess(name, v, guard, args.explain, args.optimizer, scope)
+                    v: _explain_in_subprocess(
+                        name,
+                        v.removesuffix("*"),
+                        guard,
+                        args.explain,
+                        args.optimizer,
+                        scope,
+                        overrides if v.endswith("*") else None,
+                    )
                     for v in r["steps"]
                 }
             results.append(r)
-            for variant in args.variants:
-                s = r["steps"][variant]
+            for variant, s in r["steps"].items():
+                if "state_saving" not in s:  # the EF compared with
+                    continue
                 print(
                     f"{name:12s} {guard_name(guard):14s} {variant:10s} peak {_mib(s['peak']):>8s} "
                     f"(EF {_mib(r['steps']['ef']['peak'])}) MiB  saving "

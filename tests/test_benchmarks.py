@@ -485,6 +485,7 @@ RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
     ("density_schedule", [], "density_schedule.md"),
     ("memory_figures", [], "memory_figures.md"),
     ("peak_memory", [], "peak_memory.md"),
+    ("model_states", [], "model_states.md"),
     ("fit", [], "fit.md"),
     ("hierarchical", [], "hierarchical.md"),
     ("faults", [], "reliability.md"),
@@ -515,3 +516,35 @@ def test_committed_results_page_is_what_its_json_renders(script, extra, page, tm
     first_table = rendered.index("\n|")
     first_prose = rendered.find("<!-- prose:")
     assert first_prose == -1 or first_table < first_prose
+
+
+def test_model_states_reference_layouts_are_their_arithmetic():
+    import model_states
+
+    # 1-bit Adam: m, v, a worker error and 1/N of a server error, all float32.
+    assert model_states.one_bit_adam([100, 28], 4) == {
+        "params": 512,
+        "grads": 512,
+        "optimizer": 1024,
+        "residuals": 512 + 128,
+    }
+    # 8-bit Adam: a small tensor keeps both moments in float32; 5,000 values are 20 blocks
+    # of 256, each a float32 absmax, beside one byte a value, for each moment.
+    assert model_states.eight_bit_adam([10, 5000])["optimizer"] == 2 * 4 * 10 + 2 * (5000 + 80)
+
+
+def test_model_states_rows_are_the_training_programs_states():
+    import model_states
+
+    payload = model_states.measure()
+    rows = {r["layout"]: r["per_parameter"] for r in payload["rows"]}
+    # AdamW: m and v in float32 (and a few scalars: step counters).
+    expected = {"params": 4, "grads": 4, "optimizer": 8, "residuals": 0, "total": 16}
+    assert rows["adamw"] == pytest.approx(expected, abs=1e-3)
+    # Error feedback keeps a float32 residual of each compressed leaf (the small leaves
+    # travel dense): under 4 bytes a parameter, the same for AdamW and compressed momentum.
+    assert 3 < rows["adamw_ef"]["residuals"] == rows["cm_ef"]["residuals"] < 4
+    assert rows["cm_w2d"]["residuals"] < rows["cm_ef"]["residuals"]
+    shipped = rows["shipped"]
+    assert shipped["optimizer"] + shipped["residuals"] <= 2.5
+    assert shipped["params"] == shipped["grads"] == 4
