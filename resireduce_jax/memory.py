@@ -114,7 +114,7 @@ class MemoryComparison:
             b = getattr(self.baseline, field)
             r = getattr(self.reduced, field)
             change = f"{(r - b) / b:+.1%}" if b else ("" if r == 0 else "new")
-            rows.append((field, _mib(b), _mib(r), change))
+            rows.append((field, _size(b), _size(r), change))
         widths = [max(len(row[c]) for row in rows) for c in range(4)]
         lines = [
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
@@ -127,7 +127,10 @@ class MemoryComparison:
         return "\n".join(lines)
 
 
-def _mib(n: int) -> str:
+def _size(n: int) -> str:
+    """``n`` bytes in MiB, or in KiB where one decimal of MiB would round them to zero."""
+    if 0 < n < 2**20 / 20:
+        return f"{n / 2**10:,.1f} KiB"
     return f"{n / 2**20:,.1f} MiB"
 
 

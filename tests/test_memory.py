@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -81,3 +82,13 @@ def test_compressor_state_is_its_own_category():
     tx = rr.error_feedback(WithState(0.01))
     m = rr.memory.model_state_bytes(_params(), tx)
     assert m.compressor == (3 * 100 + 1000) * 4 * F32
+
+
+def test_the_table_gives_kib_where_mib_would_round_to_zero():
+    """A 64 x 64 float32 kernel is 16 KiB: "16.0 KiB", not "0.0 MiB"; a 1024 x 1024
+    one 4 MiB."""
+    tx = optax.chain(rr.error_feedback(rr.compressors.topk(0.01)), optax.sgd(0.1))
+    small = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    assert "params      16.0 KiB" in str(rr.memory.compare(small, tx, tx))
+    large = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    assert "params      4.0 MiB" in str(rr.memory.compare(large, tx, tx))
