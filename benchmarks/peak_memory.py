@@ -388,6 +388,7 @@ def _compile(
         schedule = config.compression.density_schedule
         if optimizer.startswith("compressed_momentum") and not schedule.dense_fraction:
             schedule.dense_fraction = CM_DENSE_FRACTION
+        config.optimizer.one_buffer = "off"  # two buffers unless overrides say otherwise
     for key, value in (overrides or {}).items():
         set_dotted(config, key, value)
     return compiled_step.compile_step(

@@ -332,6 +332,36 @@ def test_config_keys_reach_the_optimizer():
     assert core.one_buffer is True and core.nu_format == rr.compressed_momentum.NuFormat(256)
 
 
+def test_the_programs_default_is_one_buffer_where_the_store_keeps_float32():
+    """optimizer.one_buffer defaults to 'auto': a float32 per-leaf store carries the
+    momentum (the two buffers' arithmetic), a quantized one keeps two buffers, and an
+    optimizer without compressed momentum is unaffected ('on' is refused there)."""
+    import jax
+
+    from tests.test_train import small_digits
+    from train import config_schema, factory
+
+    def carried(**changes):
+        c = small_digits(**{"optimizer.name": "compressed_momentum_adam", **changes})
+        c.optimizer.kwargs = {}
+        c.compression.density_schedule.dense_fraction = 0.25
+        config_schema.validate(c)
+        f32 = np.float32
+        params = {
+            "b": jax.ShapeDtypeStruct((256,), f32),
+            "w": jax.ShapeDtypeStruct((256, 256), f32),
+        }
+        return factory.build_tx(c, 100, 400)._core.carried(params)
+
+    assert small_digits().optimizer.one_buffer == "auto"
+    one = {"compression.variant": "ef", "compression.residual_format": "float32"}
+    assert carried(**one) == {1}  # w; b travels dense
+    assert carried(**{**one, "compression.residual_format": "int4"}) == frozenset()
+    config_schema.validate(small_digits())  # SGD: 'auto' is no request
+    with pytest.raises(config_schema.ConfigError, match="compressed-momentum optimizers'"):
+        config_schema.validate(small_digits(**{"optimizer.one_buffer": "on"}))
+
+
 def test_the_training_program_resumes_the_recipe_form_bit_identically(tmp_path):
     """The digits job with compressed-momentum Adam in the one-buffer form (int4 w_i,
     int8 frozen v), halted after step 5 (past the 3-step warm-up) and resumed."""

@@ -106,9 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.max_grad_norm = config_dict.placeholder(float)
     # compressed_momentum_*: "on" keeps each worker's momentum and error as one buffer
     # b1 m + e_i in its leaf's own residual store (variant "ef"; a shared or 2-D store is
-    # refused), "auto" where the store allows it in float32, "off" two buffers (m
-    # replicated, e_i).
-    c.optimizer.one_buffer = "off"
+    # refused), "auto" where the store allows it in float32 (the two buffers' arithmetic;
+    # other optimizers have one buffer or none), "off" two buffers (m replicated, e_i).
+    c.optimizer.one_buffer = "auto"
     # compressed_momentum_adam: the frozen second moment as "float32", or "int8" (8-bit
     # codes of sqrt(v) in blocks of 256, "int8/<block size>"), rounded once at the freeze.
     c.optimizer.frozen_nu_format = "float32"
@@ -384,7 +384,7 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"optimizer.one_buffer must be one of {sorted(ONE_BUFFER)}, got "
         f"{c.optimizer.one_buffer!r}.",
     )
-    if c.optimizer.one_buffer != "off":
+    if c.optimizer.one_buffer == "on":
         _check(
             c.optimizer.name.startswith("compressed_momentum_"),
             f"optimizer.one_buffer={c.optimizer.one_buffer!r} is the compressed-momentum "

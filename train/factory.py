@@ -378,7 +378,7 @@ def build_tx(
             exchange,
             weight_decay=o.weight_decay,
             max_grad_norm=o.max_grad_norm,
-            one_buffer=config_schema.ONE_BUFFER[o.get("one_buffer", "off")],
+            one_buffer=config_schema.ONE_BUFFER[o.get("one_buffer", "auto")],
             **_frozen_nu(o),
             **config_schema.free_form(o.kwargs),
         )
