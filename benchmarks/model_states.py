@@ -99,18 +99,19 @@ def measure() -> dict[str, Any]:
     from train import compiled_step, train
 
     rows = []
-    sizes: list[int] = []
+    abstract = None  # the parameters: the same model in every layout
     for name, (description, changes) in LAYOUTS.items():
         config = load_config("byte_gpt")
         for key, value in changes.items():
             set_dotted(config, key, value)
         run = train.build_run(config)
-        batch = run.dataset.train_batch(0, run.global_batch, 0, 1)
-        batch = {k: v[: config.batch_size_per_worker] for k, v in batch.items()}
-        abstract = jax.eval_shape(run.task.init, jax.random.PRNGKey(0), batch)["params"]
-        sizes = [math.prod(x.shape) for x in jax.tree.leaves(abstract)]
+        if abstract is None:
+            batch = run.dataset.train_batch(0, run.global_batch, 0, 1)
+            batch = {k: v[: config.batch_size_per_worker] for k, v in batch.items()}
+            abstract = jax.eval_shape(run.task.init, jax.random.PRNGKey(0), batch)["params"]
         states = compiled_step.state_bytes(abstract, run.tx, run.mesh)
         rows.append({"layout": name, "description": description, **_row(states.as_dict())})
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(abstract)]
     rows.append(
         {
             "layout": "one_bit_adam",

@@ -422,10 +422,11 @@ def measure(
 
     variants = tuple(variants or (case.load().compression.variant,))
     # With variant_overrides a variant is labelled "<variant>*", beside EF without them.
-    label = (lambda v: f"{v}*") if variant_overrides else (lambda v: v)
-    jobs = [("ef", "ef", None)] + [(label(v), v, variant_overrides) for v in variants]
+    suffix = "*" if variant_overrides else ""
+    jobs = {"ef": ("ef", None)}  # EF as a variant is the same step (without overrides)
+    jobs.update({f"{v}{suffix}": (v, variant_overrides) for v in variants})
     steps: dict[str, dict[str, Any]] = {}
-    for key, variant, overrides in dict((job[0], job) for job in jobs).values():
+    for key, (variant, overrides) in jobs.items():
         step = _compile(case, variant, guard, optimizer, selection_scope, overrides)
         states = compiled_step.state_bytes(step.params, step.tx, step.mesh)  # per worker
         steps[key] = {
@@ -436,7 +437,7 @@ def measure(
             "copies": copy_summary(step.compiled.as_text()),
         }
         del step
-    variants = tuple(label(v) for v in variants)
+    variants = tuple(f"{v}{suffix}" for v in variants)
     ef = steps["ef"]
     for variant in variants:
         s = steps[variant]

@@ -527,17 +527,10 @@ class _Step:
 
     def send(self, unit: int, x: jax.Array, cstate: Any, residual_skip: jax.Array | None):
         """Exchanges unit ``unit``'s compensated ``x``: ``(this worker's residual, _Sent)``."""
-        exchange, shard = self.exchange, self.plan.store_shard(unit)
+        shard = self.plan.store_shard(unit)
 
         def reduce_with(compressor: Compressor, x, cstate) -> tuple[Any, Any, Any]:
-            key = leaf_key(
-                exchange.seed,
-                self.count,
-                unit,
-                compressor,
-                self.payload_axes,
-                shard and shard.axis_name,
-            )
+            key = self._key(unit, compressor)
             reduced = compressor.reduce(x, cstate, key, self.payload_axes, skip=residual_skip)
             return reduced.mean, reduced.residual, reduced.state
 
@@ -545,6 +538,18 @@ class _Step:
         mean = local if shard is None else _gather_shards(shard, local)
         mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)
         return residual, _Sent(mean, _where_skip(self.skip, cstate, new_cstate), local)
+
+    def _key(self, unit: int, compressor: Compressor) -> jax.Array | None:
+        """The compressor's key for ``unit`` this step (:func:`leaf_key`)."""
+        shard = self.plan.store_shard(unit)
+        return leaf_key(
+            self.exchange.seed,
+            self.count,
+            unit,
+            compressor,
+            self.payload_axes,
+            shard and shard.axis_name,
+        )
 
     def carries_in_place(self, unit: int) -> bool:
         """Whether unit ``unit``'s carried store takes the exchange's mean into its own
@@ -558,27 +563,27 @@ class _Step:
         residual, sent)``, where ``sent(kept) -> (_Sent, kept)`` takes the mean once ``kept``
         (the stored value, returned to be used in its place) is made, so the residual's
         buffer and the mean's are not alive together."""
-        exchange = self.exchange
-        compressor = exchange.phases[self.static].compressor
-        key = leaf_key(exchange.seed, self.count, unit, compressor, self.payload_axes, None)
-        own = cstate.phases[self.static] if isinstance(cstate, PhaseStates) else cstate
-        reduced = compressor.reduce_carried(
-            x, own, key, self.payload_axes, self.carry.factor, skip=residual_skip
-        )
-        new_cstate = reduced.state
-        if isinstance(cstate, PhaseStates):
-            new_cstate = PhaseStates(
-                tuple(new_cstate if n == self.static else c for n, c in enumerate(cstate.phases))
+        compressor = self.exchange.phases[self.static].compressor
+
+        def reduce_with(compressor: Compressor, x, cstate) -> tuple[Any, Any, Any]:
+            key = self._key(unit, compressor)
+            reduced = compressor.reduce_carried(
+                x, cstate, key, self.payload_axes, self.carry.factor, skip=residual_skip
             )
+            return reduced.payload, reduced.residual, reduced.state
+
+        payload, kept_value, new_cstate = self.exchange._phase_reduce(self.static, reduce_with)(
+            x, cstate
+        )
 
         def sent(kept: Any) -> tuple[_Sent, Any]:
-            payload, kept = ordered(reduced.payload, kept)
+            gathered, kept = ordered(payload, kept)
             like = jax.ShapeDtypeStruct(x.shape, x.dtype)
-            mean = compressor.aggregate(payload, like, self.payload_axes)
+            mean = compressor.aggregate(gathered, like, self.payload_axes)
             mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)
             return _Sent(mean, _where_skip(self.skip, cstate, new_cstate), mean), kept
 
-        return reduced.residual, sent
+        return kept_value, sent
 
 
 class _LeafPass(NamedTuple):
@@ -634,9 +639,10 @@ def _leaf_pass(
         if step.carried(j) and hold is False and step.carries_in_place(i):
             w, sent_after = step.send_carried(i, x, cstates[j], store.residual_skip(skip))
             key = functools.partial(step.selection_key, i, store)
-            kept[label] = store.finish(w, stored, read, key, skip)
-            kept[label] = _held(skip if skip is not None else False, stored, kept[label])
-            sent[j], kept[label] = sent_after(kept[label])
+            new = store.finish(w, stored, read, key, skip)
+            if skip is not None:  # skipped: the value as it was
+                new = _held(skip, stored, new)
+            sent[j], kept[label] = sent_after(new)
             continue
         r, sent[j] = step.send(i, x, cstates[j], store.residual_skip(skip))
         if hold is True:
