@@ -42,7 +42,10 @@ Tasks (8 simulated CPU workers, top-k at 1 % density):
   the 3-layer byte GPT pre-trained densely on pydoc text (1200 steps, seed 0, cached
   under ``~/.cache/resireduce_jax/pretrained`` or ``$RR_PRETRAINED_DIR``), then fine-tuned
   on Python source (``stdlib_source``) with each exchange; seeds change the fine-tuning's
-  data order and keys, not the pre-trained model.
+  data order and keys, not the pre-trained model. Each run records the pre-trained
+  parameters' digest: another machine's XLA numerics pre-train another model, so
+  ``--merge`` refuses runs fine-tuned from a different one, as it refuses runs of another
+  step count (``--supersede`` drops them).
 
 **Recipes** (``--recipes``) are remedies applied on top of a task's config, one row per
 recipe and variant: ``base`` (the config as it is), ``lr_warmup`` (a linear learning-rate
@@ -73,6 +76,7 @@ Writes ``benchmarks/results/accuracy.{json,md,png}`` and ``frontier.png``. Usage
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -412,6 +416,42 @@ def pretrained(task: Task) -> str:
     return workdir
 
 
+def pretrained_digest(workdir: str) -> str:
+    """The first 16 hex digits of a sha256 over the pre-trained parameters in ``workdir``
+    (paths, dtypes, shapes and bytes): runs fine-tuned from models of different digests
+    start from different weights and do not compare."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    from train.train import final_state
+
+    leaves = jax.tree_util.tree_flatten_with_path(final_state(workdir)["params"])[0]
+    digest = hashlib.sha256()
+    for path, leaf in sorted((jax.tree_util.keystr(p), np.asarray(x)) for p, x in leaves):
+        digest.update(f"{path}:{leaf.dtype}:{leaf.shape}".encode())
+        digest.update(leaf.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def incomparable_runs(
+    before: dict[str, Any], steps: dict[str, int], digests: dict[str, str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Per task of ``steps``, ``before``'s runs of that task that do not compare with a run
+    of this command: trained for another step count than ``steps[task]``, or fine-tuned
+    from another pre-trained model than ``digests[task]`` (or an unrecorded one)."""
+    stale: dict[str, list[dict[str, Any]]] = {}
+    for run in before["runs"]:
+        task = run["task"]
+        if task in steps and (
+            run.get("steps") != steps[task]
+            or (task in digests and run.get("pretrained_digest") != digests[task])
+        ):
+            stale.setdefault(task, []).append(run)
+    return stale
+
+
 def curves(records: list[dict[str, Any]], metric: str, scale: float) -> dict[str, list]:
     eval_records = [r for r in records if r["split"] == "eval"]
     train_records = [r for r in records if r["split"] == "train"]
@@ -438,8 +478,10 @@ def train_one(
 
     task = TASKS[task_name]
     config = build_config(task, variant, seed, steps, extra, recipe)
+    digest = None
     if task.pretrain is not None:
         config.init_from = pretrained(task)
+        digest = pretrained_digest(config.init_from)
     name = f"{task_name}_{recipe}_{variant.replace('/', '-')}_seed{seed}"  # a path part
     workdir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
     log_path = os.path.join(scratch, f"{name}.log")
@@ -476,6 +518,7 @@ def train_one(
         "bytes_per_parameter": summary.memory.get("bytes_per_parameter"),
         "seconds": seconds,
         "curves": curves(records, task.metric.key, task.metric.scale),
+        **({"pretrained_digest": digest} if digest is not None else {}),
     }
 
 
@@ -515,6 +558,12 @@ def summarize(
     rows = []
     for task_name in tasks:
         mine_task = [r for r in runs if r["task"] == task_name]
+        steps = sorted({r.get("steps") for r in mine_task}, key=str)
+        if len(steps) > 1:
+            raise ValueError(
+                f"the {task_name} runs trained for different step counts ({steps}): their "
+                "finals do not compare. Keep one step count per task (see --supersede)."
+            )
         dense = [r["final"] for r in mine_task if r["variant"] == "dense" and _recipe(r) == "base"]
         for recipe in recipes:
             by_variant = {
@@ -644,7 +693,12 @@ def markdown(payload: dict[str, Any]) -> str:
             f"x {s['batch_per_worker']} examples, {s['compressor']} density {s['density']:g}, "
             f"leaves under min_size={s['min_size']} elements travel dense, groups of <= "
             f"{s['max_group_size']} same-shape leaves, 2-D layers `{s['intra_layers']}`; "
-            f"metric: eval {task.metric.unit} ({better} is better)."
+            f"metric: eval {task.metric.unit} ({better} is better)"
+            + (
+                f"; every run fine-tuned from the pre-trained model `{s['pretrained_digest']}`."
+                if s.get("pretrained_digest")
+                else "."
+            )
         )
     skipped = sum(row["skipped_steps"] for row in payload["summary"])
     commands = payload.get("commands") or [payload["command"]]
@@ -866,6 +920,13 @@ def main(argv: list[str] | None = None) -> None:
         "and seed run again replaces its earlier run)",
     )
     parser.add_argument(
+        "--supersede",
+        action="store_true",
+        help="with --merge: drop the earlier runs of a task that do not compare with this "
+        "command's (another step count, or fine-tuned from another pre-trained model than "
+        "this machine's) instead of refusing to merge",
+    )
+    parser.add_argument(
         "--keep-logs", action="store_true", help="keep each run's log (printed at the end)"
     )
     args = parser.parse_args(argv)
@@ -913,11 +974,42 @@ def main(argv: list[str] | None = None) -> None:
         for variant in args.variants
         if applicable(TASKS[task_name], recipe, variant)
     ]
+    digests = {}
+    for task_name in args.tasks:  # pre-trains (once per machine) before the first run
+        if TASKS[task_name].pretrain is not None:
+            digests[task_name] = pretrained_digest(pretrained(TASKS[task_name]))
+            settings[task_name]["pretrained_digest"] = digests[task_name]
     previous = os.path.join(args.out, "accuracy.json")
     before = None
     if args.merge and os.path.exists(previous):
         with open(previous) as f:
             before = json.load(f)
+        steps = {t: settings[t]["steps"] for t in args.tasks}
+        for task_name, stale in incomparable_runs(before, steps, digests).items():
+            fine_tuned = task_name in digests
+            groups = collections.Counter(
+                (r.get("steps"), r.get("pretrained_digest", "unrecorded") if fine_tuned else "")
+                for r in stale
+            )
+            was = ", ".join(
+                f"{n} at {s} steps" + (f" from pre-trained model {d}" if d else "")
+                for (s, d), n in sorted(groups.items(), key=str)
+            )
+            now = f"{steps[task_name]} steps" + (
+                f" from pre-trained model {digests[task_name]}" if fine_tuned else ""
+            )
+            message = (
+                f"{previous} holds {len(stale)} {task_name} runs that do not compare with "
+                f"this command's ({now}): {was}"
+                + ("; another machine's XLA numerics pre-train another model" if fine_tuned else "")
+            )
+            if not args.supersede:
+                parser.error(
+                    message + ". Rerun every row of the task with --supersede (drops them), "
+                    "match their --steps, or write to another --out."
+                )
+            print(message + ": dropped (--supersede).", file=sys.stderr, flush=True)
+            before["runs"] = [r for r in before["runs"] if r not in stale]
     command = "python benchmarks/accuracy.py " + " ".join(argv or sys.argv[1:])
     overrides = {k: v if isinstance(v, int | float | str) else repr(v) for k, v in extra.items()}
     runs: list[dict[str, Any]] = []

@@ -276,6 +276,62 @@ def test_accuracy_merge_replaces_rerun_seeds_and_keeps_other_tasks():
     assert "**Config overrides on every run**: `local_devices=4`." in table
 
 
+def test_accuracy_merge_refuses_runs_fine_tuned_from_another_pretraining(
+    tmp_path, monkeypatch, capsys
+):
+    import accuracy
+
+    from resireduce_jax import runtime
+
+    monkeypatch.setattr(runtime, "configure_cpu", lambda workers: None)  # JAX runs already
+    monkeypatch.setattr(accuracy, "pretrained", lambda task: "unused")
+    monkeypatch.setattr(accuracy, "pretrained_digest", lambda workdir: "new")
+
+    def fake_train_one(task, variant, seed, steps, extra, scratch, recipe="base"):
+        return {**_run(task, variant, seed, 5.0), "pretrained_digest": "new", "steps": 600,
+                "bytes_sent": 1, "dense_bytes": 10}  # fmt: skip
+
+    monkeypatch.setattr(accuracy, "train_one", fake_train_one)
+    monkeypatch.setattr(accuracy, "write_outputs", lambda payload, out: saved.append(payload))
+    monkeypatch.setattr(accuracy, "write_results", lambda *args, **kwargs: None)  # partial
+    monkeypatch.setattr(accuracy, "markdown", lambda payload: "")
+    saved = []
+    old = [
+        {**_run("byte_gpt_finetune", "ef", 1, 6.0), "pretrained_digest": "old", "steps": 600},
+        {**_run("byte_gpt_finetune", "dense", 1, 5.9), "steps": 600},  # before digests were
+        {**_run("byte_gpt_finetune", "ef", 2, 5.8), "pretrained_digest": "new", "steps": 600},
+        {**_run("byte_gpt_finetune", "ef", 3, 5.7), "pretrained_digest": "new", "steps": 400},
+        {**_run("digits", "ef", 0, 97.0), "steps": 300},
+    ]
+    with pytest.raises(ValueError, match=r"different step counts \(\[400, 600\]\)"):
+        accuracy.summarize(old, ["byte_gpt_finetune"], ["ef"])  # a file merged before
+    payload = {**_accuracy_payload(old[-1:], ["dense", "ef"], "first"), "runs": old}
+    (tmp_path / "accuracy.json").write_text(json.dumps(payload))
+    argv = ["--tasks", "byte_gpt_finetune", "--variants", "ef", "--seeds", "1", "--merge",
+            "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        accuracy.main(argv)
+    error = capsys.readouterr().err
+    assert "holds 3 byte_gpt_finetune runs that do not compare" in error
+    assert "(600 steps from pre-trained model new)" in error
+    assert "1 at 400 steps from pre-trained model new" in error  # the step count differs
+    assert "1 at 600 steps from pre-trained model old" in error
+    assert "1 at 600 steps from pre-trained model unrecorded" in error
+    assert "--supersede" in error
+    assert saved == []  # refused before anything trained or was written
+
+    accuracy.main([*argv, "--supersede"])
+    runs = {(r["task"], r["variant"], r["seed"]): r["final"] for r in saved[-1]["runs"]}
+    # The three stale runs are gone; the comparable run and the other task stay.
+    assert runs == {
+        ("byte_gpt_finetune", "ef", 0): 5.0,
+        ("byte_gpt_finetune", "ef", 2): 5.8,
+        ("digits", "ef", 0): 97.0,
+    }
+    assert saved[-1]["settings"]["byte_gpt_finetune"]["pretrained_digest"] == "new"
+    assert "dropped (--supersede)" in capsys.readouterr().err
+
+
 def test_accuracy_rows_per_recipe_with_ratio_to_dense_and_bytes_sent():
     import accuracy
 
