@@ -35,6 +35,7 @@ from resireduce_jax.compressors.base import (
     check_local_gradients,
     dense_mean,
     ordered,
+    ordered_keeping_axes,
 )
 from resireduce_jax.compressors.dense import is_dense
 from resireduce_jax.compressors.sparse import TopK
@@ -553,7 +554,9 @@ class _Step:
 
     def carries_in_place(self, unit: int) -> bool:
         """Whether unit ``unit``'s carried store takes the exchange's mean into its own
-        buffer (:meth:`send_carried`): a flat store in a program of one density phase."""
+        buffer (:meth:`send_carried`): a flat store in a program of one density phase.
+        A node's shard (hierarchical) need not: its temporaries are ``1/L`` of the leaf,
+        and the guarded step's peak gets the whole saving without (test_one_buffer_peak)."""
         return self.static is not None and self.plan.store_shard(unit) is None
 
     def send_carried(
@@ -577,7 +580,7 @@ class _Step:
         )
 
         def sent(kept: Any) -> tuple[_Sent, Any]:
-            gathered, kept = ordered(payload, kept)
+            gathered, kept = ordered_keeping_axes(payload, kept)
             like = jax.ShapeDtypeStruct(x.shape, x.dtype)
             mean = compressor.aggregate(gathered, like, self.payload_axes)
             mean = _where_skip(self.skip, jnp.zeros((), mean.dtype), mean)

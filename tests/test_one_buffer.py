@@ -56,11 +56,14 @@ class _Run(th.ShardMapStep):
     def __init__(self, tx, params, mesh=None):
         super().__init__(tx, params, W, on_mesh=mesh)
 
-    def run(self, grads, state=None):
+    def run(self, grads, state=None, phased=False):
+        """``phased``: one program per density phase (the warm-up's, then the compressed
+        one), as the training program compiles; else one program switching on the count."""
         state = self.init(self.params) if state is None else state
         outputs = []
         for g in grads:
-            out, state = self.step(self.params, state, self.shard_grads(g))
+            phase = int(jax.device_get(state.count).flat[0] >= WARMUP) if phased else None
+            out, state = self.step(self.params, state, self.shard_grads(g), phase)
             outputs.append(jax.device_get(out))
         return outputs, state
 
@@ -72,11 +75,23 @@ def _assert_close(a, b, rtol=1e-4):
             np.testing.assert_allclose(x[k], y[k], rtol=rtol, atol=rtol * scale, err_msg=(t, k))
 
 
-CASES = [("update", False), ("update", True), ("momentum", False), ("sgd", False), ("sgd", True)]
+# (kind, hierarchical, phased): the one-buffer store takes the exchange's mean into its own
+# buffer in a program of one density phase (exchange._Step.send_carried), so both forms of
+# programs are checked, flat and with w_i sharded 1/L over a node.
+CASES = [
+    ("update", False, False),
+    ("update", True, False),
+    ("momentum", False, False),
+    ("sgd", False, False),
+    ("sgd", True, False),
+    ("update", False, True),
+    ("update", True, True),
+    ("sgd", True, True),
+]
 
 
-@pytest.mark.parametrize("kind, hierarchical", CASES)
-def test_float32_one_buffer_is_the_two_buffer_form_over_100_steps(kind, hierarchical):
+@pytest.mark.parametrize("kind, hierarchical, phased", CASES)
+def test_float32_one_buffer_is_the_two_buffer_form_over_100_steps(kind, hierarchical, phased):
     steps = 5 * WARMUP  # the warm-up, the freeze and 80 compressed steps
     grads = _grads(steps)
     params = _params()
@@ -84,7 +99,7 @@ def test_float32_one_buffer_is_the_two_buffer_form_over_100_steps(kind, hierarch
     local = {"local_axis": "local"} if hierarchical else {}
     one = _Run(_tx(kind, True, **local), params, mesh)
     two = _Run(_tx(kind, False, **local), params, mesh)
-    out1, s1 = one.run(grads)
+    out1, s1 = one.run(grads, phased=phased)
     out2, s2 = two.run(grads)
     _assert_close(out1, out2)
     s1, s2 = jax.device_get((s1, s2))

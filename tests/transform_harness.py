@@ -9,6 +9,7 @@ reads its peak-memory figures (``abstract_step_memory``: from shapes alone).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -42,10 +43,13 @@ def abstract_step_memory(
     loss_fn: Any, tx: optax.GradientTransformation, params: Any, batch: Any, mesh, **lower
 ) -> rr.hlo.PeakMemory:
     """:func:`step_memory` from ``jax.ShapeDtypeStruct`` s alone: ``params`` replicated,
-    ``batch`` (global shapes) split over the workers, the state abstract; nothing is
-    allocated."""
-    step = rr.parallel.data_parallel_step(loss_fn, tx, mesh)
-    step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh)
+    ``batch`` (global shapes) split over the workers (every axis of ``mesh``), the state
+    abstract; nothing is allocated."""
+    two_d = len(mesh.axis_names) > 1  # (nodes, local): workers span both axes
+    local = {"local_axis": mesh.axis_names[1]} if two_d else {}
+    step = rr.parallel.data_parallel_step(loss_fn, tx, mesh, **local)
+    workers = tuple(mesh.axis_names) if two_d else AXIS
+    step.state_specs, state = rr.parallel.abstract_state(tx, params, mesh, workers)
 
     def placed(tree, spec):
         sharding = NamedSharding(mesh, spec)
@@ -53,7 +57,7 @@ def abstract_step_memory(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
         )
 
-    lowered = step.lower(placed(params, P()), state, placed(batch, P(AXIS)), **lower)
+    lowered = step.lower(placed(params, P()), state, placed(batch, P(workers)), **lower)
     return rr.hlo.peak_memory(lowered.compile())
 
 
@@ -79,21 +83,30 @@ class ShardMapStep:
         def init(p):
             return rr.parallel.stack_per_worker(tx.init(p), specs)
 
-        def step(p, s, g):
+        def step(p, s, g, density_phase):
             s = rr.parallel.unstack_per_worker(s, specs)
-            out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+            phase = {} if density_phase is None else {"density_phase": density_phase}
+            out, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p, **phase)
             # Every worker's view of the output and the state, stacked for inspection.
             return jax.tree.map(lambda x: x[None], out), rr.parallel.stack_per_worker(s, specs)
 
         self.init = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))
-        self.step = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=self.mesh,
-                in_specs=(P(), specs, P(self.axes)),
-                out_specs=(P(self.axes), specs),
+        self._step = step
+        self._steps: dict[int | None, Any] = {}
+
+    def step(self, params: Any, state: Any, grads: Any, density_phase: int | None = None):
+        """One jitted update; ``density_phase``: the schedule's phase compiled statically
+        (one program per phase, as the training program compiles), ``None``: switched."""
+        if density_phase not in self._steps:
+            self._steps[density_phase] = jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step, density_phase=density_phase),
+                    mesh=self.mesh,
+                    in_specs=(P(), self.specs, P(self.axes)),
+                    out_specs=(P(self.axes), self.specs),
+                )
             )
-        )
+        return self._steps[density_phase](params, state, grads)
 
     def shard_grads(self, grads: Any) -> Any:
         return jax.device_put(grads, NamedSharding(self.mesh, P(self.axes)))

@@ -193,9 +193,9 @@ class Compressor(abc.ABC):
         """
         like = jax.ShapeDtypeStruct(x.shape, x.dtype)
         payload, new_state, x = self.compress_consuming(x, state, key)
-        x, payload = lax.optimization_barrier((x, payload))  # as in reduce
+        x, payload = ordered_keeping_axes(x, payload)  # as in reduce
         r = self.residual(x, payload, skip)
-        r, payload = ordered(r, payload)
+        r, payload = ordered_keeping_axes(r, payload)
         kept = self.aggregate_into(payload, like, axis_name, r, factor)
         return Reduced(mean=None, residual=kept, state=new_state, payload=payload)
 
@@ -268,6 +268,31 @@ def ordered(x: PyTree, dependency: PyTree) -> tuple[PyTree, PyTree]:
     NaN/Inf in ``dependency`` cannot leak into ``x``.
     """
     return lax.optimization_barrier((x, dependency))
+
+
+def ordered_keeping_axes(x: PyTree, dependency: PyTree) -> tuple[PyTree, PyTree]:
+    """:func:`ordered` for the leaves of ``x`` and ``dependency`` that vary over every mesh
+    axis any of them varies over; the others are returned as they are, unordered.
+
+    A barrier's outputs vary over the union of its operands' axes (shard_map's
+    ``check_vma``), so through :func:`ordered` a leaf equal on every worker, such as Random-k's
+    shared indices, would come out per-worker, and so would what is computed from it (a
+    mean, then the optimizer state it updates). Such a leaf depends on no worker's data.
+    """
+
+    def axes(leaf) -> frozenset:
+        return frozenset(jax.typeof(leaf).manual_axis_type.varying)
+
+    x_leaves, x_tree = jax.tree.flatten(x)
+    d_leaves, d_tree = jax.tree.flatten(dependency)
+    leaves = [*x_leaves, *d_leaves]
+    union = frozenset().union(*(axes(leaf) for leaf in leaves))
+    wide = [i for i, leaf in enumerate(leaves) if axes(leaf) == union]
+    if wide:  # one barrier, as in ordered
+        for i, leaf in zip(wide, lax.optimization_barrier([leaves[i] for i in wide]), strict=True):
+            leaves[i] = leaf
+    n = len(x_leaves)
+    return x_tree.unflatten(leaves[:n]), d_tree.unflatten(leaves[n:])
 
 
 def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
