@@ -56,6 +56,7 @@ AXIS = "data"  # train.train.AXIS
 # compile_step(density_phase=SWITCH_PHASES): no static phase, the exchange's lax.switch.
 SWITCH_PHASES = "switch"
 _SUFFIX_OF_DTYPE = {dtype: s for s, dtype in config_schema.RESIDUAL_DTYPE_SUFFIXES.items()}
+KiB = 2**10
 MiB = 2**20
 
 
@@ -431,7 +432,13 @@ class MemoryReport:
         if self.local_devices:
             nodes = self.num_workers // self.local_devices
             layout += f" as {nodes} nodes x {self.local_devices} devices, hierarchical exchange"
-        header = f"  {'variant':<12s} {'peak MiB':>10s} {'temp MiB':>10s} {'residuals MiB':>14s}"
+        # KiB where one decimal of MiB would show a stored figure as zero (a small model).
+        tiny = any(0 < r[k] < MiB / 20 for r in self.rows for k in ("peak", "temp", "residuals"))
+        size, name = (KiB, "KiB") if tiny else (MiB, "MiB")
+        header = (
+            f"  {'variant':<12s} {'peak ' + name:>10s} {'temp ' + name:>10s} "
+            f"{'residuals ' + name:>14s}"
+        )
         lines = [
             f"Compiled train step per worker ({layout}, "
             f"{self.batch_per_worker} per worker, skip_nonfinite {'on' if self.guard else 'off'}"
@@ -440,10 +447,10 @@ class MemoryReport:
         ]
         for r in self.rows:
             line = (
-                f"  {r['variant']:<12s} {r['peak'] / MiB:10.1f} {r['temp'] / MiB:10.1f} "
-                f"{r['residuals'] / MiB:14.1f}"
+                f"  {r['variant']:<12s} {r['peak'] / size:10.1f} {r['temp'] / size:10.1f} "
+                f"{r['residuals'] / size:14.1f}"
             )
-            lines.append(line + ("" if ef is None else f" {(r['peak'] - ef) / MiB:+10.1f}"))
+            lines.append(line + ("" if ef is None else f" {(r['peak'] - ef) / size:+10.1f}"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
