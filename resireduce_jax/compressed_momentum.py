@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from resireduce_jax import carried as carried_lib
@@ -54,6 +55,7 @@ __all__ = [
     "buffer_bytes",
     "compressed_momentum_adam",
     "compressed_momentum_sgd",
+    "resize_frozen_nu",
     "warmup_steps",
 ]
 
@@ -135,6 +137,38 @@ class NuFormat:
         s = nu.codes.astype(jnp.float32) * (nu.scales[:, None] / 255)
         s = s.reshape(-1)[: math.prod(shape)].reshape(shape)
         return jnp.maximum(s, jnp.sqrt(nu.floor))
+
+
+def resize_frozen_nu(nu: FrozenNu, size: int, num_workers: int, *, frozen: bool) -> FrozenNu:
+    """A leaf's :class:`FrozenNu` saved by ``W`` workers, as host arrays (``warm`` and
+    ``codes`` with a leading worker axis, ``scales`` and ``floor`` replicated), for
+    ``num_workers`` workers; ``size``: the leaf's number of elements.
+
+    ``frozen`` (the compressed phase): every worker holds the same codes; they are kept,
+    repeated for the new workers, with the scales and the floor, so :math:`v` is not
+    rounded again. ``warm``, unused once frozen, becomes zeros of a new worker's slice.
+    During the warm-up each worker holds its own ``1/W`` of :math:`v` (and, in the codes,
+    of :math:`m`), which another worker count cannot take: ``ValueError``.
+    """
+    codes = np.asarray(nu.codes)
+    if not frozen:
+        raise ValueError(
+            f"The second moment of a {size}-element leaf is kept as {codes.shape[0]} "
+            "workers' slices during the compressed-momentum warm-up, which no other worker "
+            "count can take: resume with the saved number of workers until the warm-up "
+            "ends (v is then frozen and replicated), or use frozen_nu_format='float32'."
+        )
+    if not (codes == codes[:1]).all():
+        raise ValueError(
+            "A frozen second moment whose codes differ between the saved workers: the "
+            "checkpoint's optimizer state is not one compressed_momentum_adam wrote."
+        )
+    return FrozenNu(
+        warm=np.zeros((num_workers, -(-size // num_workers)), np.asarray(nu.warm).dtype),
+        codes=np.ascontiguousarray(np.broadcast_to(codes[0], (num_workers, *codes.shape[1:]))),
+        scales=nu.scales,
+        floor=nu.floor,
+    )
 
 
 def parse_nu_format(value: str) -> NuFormat | None:

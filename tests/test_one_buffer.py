@@ -401,3 +401,67 @@ def test_the_training_program_resumes_the_recipe_form_bit_identically(tmp_path):
     assert train.train_and_evaluate(config, str(tmp_path / "split")).step == 12
     a, b = (train.final_state(str(tmp_path / d)) for d in ("full", "split"))
     chex.assert_trees_all_equal(a, b)
+
+
+def test_the_training_program_resizes_the_recipe_form_once_v_is_frozen(tmp_path):
+    """8 workers halted past the 3-step warm-up, restored on 4 (``on_worker_change=
+    "average"``): each new worker's ``w_i`` is the old workers' mean (decoded, re-encoded
+    in int4), and the frozen ``v`` keeps its codes, scales and floor, since rounding it
+    again would change every step's divisor. Halted inside the warm-up, where each worker
+    holds its own slice of ``v``, the resize is refused and says how to go on."""
+    from tests.test_quantized_dgc import _np_decode
+    from tests.test_train import COMPRESSED_MOMENTUM, restore_checkpoint, small_digits
+    from train import train
+
+    changes = {
+        **COMPRESSED_MOMENTUM,
+        "compression.density_schedule.dgc_fraction": 0.0,
+        "compression.residual_dtype": "",
+        "compression.variant": "ef",
+        "compression.residual_format": "int4/128/nearest",
+        "optimizer.one_buffer": "on",
+        "optimizer.frozen_nu_format": "int8",
+    }
+    workdir = str(tmp_path / "run")
+    eight = small_digits(**changes)
+    train.train_and_evaluate(eight, workdir, halt_after_step=5)
+    old = restore_checkpoint(workdir, eight, 5)["opt_state"]  # as saved
+    four = small_digits(num_workers=4, batch_size_per_worker=32, **changes)
+    new = restore_checkpoint(workdir, four, 5)["opt_state"]
+
+    def find(state, kind):
+        leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+        return [x for x in leaves if isinstance(x, kind)]
+
+    pairs = list(zip(*(find(s, rr.compressed_momentum.FrozenNu) for s in (old, new)), strict=True))
+    assert pairs
+    for a, b in pairs:
+        assert a.codes.shape[0] == 8 and b.codes.shape[0] == 4
+        np.testing.assert_array_equal(b.codes, np.broadcast_to(a.codes[0], b.codes.shape))
+        np.testing.assert_array_equal(b.scales, a.scales)
+        np.testing.assert_array_equal(b.floor, a.floor)
+        assert b.warm.shape[0] == 4 and not np.asarray(b.warm).any()
+
+    (old_ex,), (new_ex,) = (find(s, rr.ExchangeState) for s in (old, new))
+    Quantized = rr.residual_formats.Quantized
+    checked = 0
+    for label, a in old_ex.residuals.items():
+        if not isinstance(a, Quantized):
+            continue
+        b = new_ex.residuals[label]
+        shape = (a.codes.shape[1] * 128,)  # whole blocks, padding included
+
+        def decode(q, w, shape=shape):
+            return _np_decode(Quantized(q.codes[w], q.scales[w]), "int4", shape)
+
+        mean = np.mean([decode(a, w) for w in range(8)], axis=0)
+        for w in range(4):  # the old workers' mean, rounded to the nearest int4 code
+            step = np.repeat(np.asarray(b.scales[w]), 128)
+            assert np.all(np.abs(decode(b, w) - mean) <= 0.5 * step * (1 + 1e-6)), label
+        checked += 1
+    assert checked
+
+    warm = str(tmp_path / "warm")
+    train.train_and_evaluate(eight, warm, halt_after_step=2)
+    with pytest.raises(ValueError, match="until the warm-up ends"):
+        restore_checkpoint(warm, four, 2)

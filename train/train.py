@@ -277,15 +277,28 @@ def worker_redistribution(run: Run, abstract_params):
     The returned function also takes the checkpoint's ``saved_local_devices`` (``None``:
     flat): the saved residuals are read with that layout's plan and re-planned for this
     run's (:func:`resireduce_jax.exchange.resize_workers` with ``new_plan``), so a change of
-    the devices per node is covered too.
+    the devices per node is covered too. An int8 frozen second moment keeps its codes
+    (:func:`resireduce_jax.compressed_momentum.resize_frozen_nu`; refused while warm).
     """
     plan = exchange_plan(run, abstract_params)
     is_exchange = lambda x: isinstance(x, rr.ExchangeState)
     is_dgc = lambda x: isinstance(x, rr.DGCState)
+    is_frozen_nu = lambda x: isinstance(x, rr.compressed_momentum.FrozenNu)
+    is_cm = lambda x: isinstance(x, rr.CompressedMomentumState)
     residual_format = run.config.compression.get("residual_format", "") or None
+    warmup = rr.compressed_momentum.warmup_steps(
+        factory.build_exchange(run.config.compression, total_steps=run.total_steps)
+    )
 
     def redistribute(opt_state, specs, num_workers, saved_local_devices=None):
         saved = layout_plan(run.config, abstract_params, saved_local_devices)
+
+        def nu_leaf(x, spec, like, frozen):
+            if is_frozen_nu(x):  # frozen: the codes kept; warm: refused
+                return rr.compressed_momentum.resize_frozen_nu(
+                    x, math.prod(like.shape), num_workers, frozen=frozen
+                )
+            return checkpointing.mean_per_worker(x, spec, num_workers)
 
         def node(x, spec):
             if is_exchange(x):
@@ -294,9 +307,29 @@ def worker_redistribution(run: Run, abstract_params):
                 return rr.dgc.resize_workers(
                     x, abstract_params, num_workers, residual_format=residual_format
                 )
+            if is_cm(x):  # its own fields: an int8 frozen v is not averaged
+                if any(map(is_frozen_nu, jax.tree.leaves(x.nu, is_leaf=is_frozen_nu))):
+                    frozen = warmup is not None and int(np.ravel(x.count)[0]) >= warmup
+                    nu = jax.tree.map(
+                        lambda n, s, p: nu_leaf(n, s, p, frozen),
+                        x.nu,
+                        spec.nu,
+                        abstract_params,
+                        is_leaf=is_frozen_nu,
+                    )
+                else:
+                    nu = checkpointing.mean_per_worker(x.nu, spec.nu, num_workers)
+                return x._replace(
+                    mu=checkpointing.mean_per_worker(x.mu, spec.mu, num_workers),
+                    nu=nu,
+                    exchange=node(x.exchange, spec.exchange),
+                )
             return checkpointing.mean_per_worker(x, spec, num_workers)
 
-        return jax.tree.map(node, opt_state, specs, is_leaf=lambda x: is_exchange(x) or is_dgc(x))
+        def leaf(x):
+            return is_exchange(x) or is_dgc(x) or is_cm(x)
+
+        return jax.tree.map(node, opt_state, specs, is_leaf=leaf)
 
     return redistribute
 
