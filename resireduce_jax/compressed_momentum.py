@@ -52,10 +52,12 @@ __all__ = [
     "CompressedMomentumState",
     "FrozenNu",
     "NuFormat",
+    "WarmSlices",
     "buffer_bytes",
     "compressed_momentum_adam",
     "compressed_momentum_sgd",
     "resize_frozen_nu",
+    "warm_slices",
     "warmup_steps",
 ]
 
@@ -86,9 +88,15 @@ class FrozenNu(NamedTuple):
     warm, 8-bit codes with per-block scales once frozen (Li et al., "Memory Efficient
     Optimizers with 4-bit States", NeurIPS 2023: blocks, and no zero code where v divides).
 
+    While warm, the codes' bytes are unused, so they hold this worker's float32 slices
+    (:func:`warm_slices`): :math:`m`'s first (the one-buffer ``"update"`` form), then
+    :math:`v`'s, each where the codes have room for both.
+
     Attributes:
       warm: float32 ``[ceil(n / N)]``: this worker's ``1/N`` of :math:`v` during the
-        warm-up (``N`` workers); kept, unused, after the freeze.
+        warm-up (``N`` workers) where the codes cannot hold it, else ``[1]``, unused
+        (orbax saves no empty array, and the state's structure and partitioning stay
+        those of every worker count); kept, unused, after the freeze.
       codes: uint8 ``[blocks, block]``: :math:`s = \\sqrt{\\max(v, f)}` as
         ``round(255 s / scale)`` clipped to 1 ... 255: no code decodes to zero.
       scales: float32 ``[blocks]``: each block's largest :math:`s`.
@@ -113,8 +121,9 @@ class NuFormat:
 
     def init(self, size: int, workers: int) -> FrozenNu:
         blocks = self.blocks(size)
+        slices = warm_slices(size, workers, blocks * self.block_size)
         return FrozenNu(
-            warm=jnp.zeros([-(-size // workers)], jnp.float32),
+            warm=jnp.zeros([1 if slices.nu_in_codes else slices.size], jnp.float32),
             codes=jnp.zeros([blocks, self.block_size], jnp.uint8),
             scales=jnp.zeros([blocks], jnp.float32),
             floor=jnp.zeros([], jnp.float32),
@@ -139,6 +148,22 @@ class NuFormat:
         return jnp.maximum(s, jnp.sqrt(nu.floor))
 
 
+class WarmSlices(NamedTuple):
+    """Where a :class:`FrozenNu` leaf's warm-up slices live (:func:`warm_slices`)."""
+
+    size: int  # elements of one worker's slice, ceil(n / N)
+    mu_in_codes: bool  # m's slice in the codes' first 4 size bytes (where the form uses it)
+    nu_in_codes: bool  # v's slice in the next 4 size bytes, else FrozenNu.warm
+
+
+def warm_slices(size: int, workers: int, code_bytes: int) -> WarmSlices:
+    """The float32 slices an ``size``-element leaf's ``code_bytes`` of codes hold during
+    the warm-up, for ``workers`` workers: :math:`m`'s where they have room for one
+    (``N >= 4`` workers), :math:`v`'s too where they have room for two (``N >= 8``)."""
+    per = -(-size // workers)
+    return WarmSlices(per, 4 * per <= code_bytes, 8 * per <= code_bytes)
+
+
 def resize_frozen_nu(nu: FrozenNu, size: int, num_workers: int, *, frozen: bool) -> FrozenNu:
     """A leaf's :class:`FrozenNu` saved by ``W`` workers, as host arrays (``warm`` and
     ``codes`` with a leading worker axis, ``scales`` and ``floor`` replicated), for
@@ -146,7 +171,8 @@ def resize_frozen_nu(nu: FrozenNu, size: int, num_workers: int, *, frozen: bool)
 
     ``frozen`` (the compressed phase): every worker holds the same codes; they are kept,
     repeated for the new workers, with the scales and the floor, so :math:`v` is not
-    rounded again. ``warm``, unused once frozen, becomes zeros of a new worker's slice.
+    rounded again. ``warm``, unused once frozen, becomes what the new worker count's
+    :meth:`NuFormat.init` holds (zeros of a slice, or none where the codes hold it).
     During the warm-up each worker holds its own ``1/W`` of :math:`v` (and, in the codes,
     of :math:`m`), which another worker count cannot take: ``ValueError``.
     """
@@ -163,8 +189,9 @@ def resize_frozen_nu(nu: FrozenNu, size: int, num_workers: int, *, frozen: bool)
             "A frozen second moment whose codes differ between the saved workers: the "
             "checkpoint's optimizer state is not one compressed_momentum_adam wrote."
         )
+    slices = warm_slices(size, num_workers, codes[0].size)
     return FrozenNu(
-        warm=np.zeros((num_workers, -(-size // num_workers)), np.asarray(nu.warm).dtype),
+        warm=np.zeros((num_workers, 1 if slices.nu_in_codes else slices.size), np.float32),
         codes=np.ascontiguousarray(np.broadcast_to(codes[0], (num_workers, *codes.shape[1:]))),
         scales=nu.scales,
         floor=nu.floor,
@@ -458,12 +485,8 @@ class _CompressedMomentum:
                 g = mean * scalar_as(mean_factor, mean)
             # m's float32 warm-up slice in the unused codes of an int8 frozen v ("update":
             # the update is then mean / bias1, no varying divisor), else m held in the store.
-            sliced = (
-                j in carried
-                and isinstance(nu, FrozenNu)
-                and scaled
-                and 4 * nu.warm.size <= nu.codes.size
-            )
+            slices = self._warm_slices(nu, g) if isinstance(nu, FrozenNu) else None
+            sliced = j in carried and slices is not None and scaled and slices.mu_in_codes
             if sliced:
                 mu_new = mean  # warm: its slice in the codes; compressed: m' is the mean
             elif j in carried:  # warm: m is held in the store; compressed: m' is the mean
@@ -488,22 +511,29 @@ class _CompressedMomentum:
                 def warm_step():  # on this worker's slice; the update gathered
                     nonlocal residuals
                     g_k = carried_lib.own_slice(g, axes)
-                    v_k = (1 - b2) * (g_k * g_k) + b2 * nu.warm
+                    v_held = _slice_in(nu.codes, 1, slices.size) if slices.nu_in_codes else nu.warm
+                    v_k = (1 - b2) * (g_k * g_k) + b2 * v_held
                     if sliced:
-                        m_k = self._momentum(g_k, _slice_in(nu.codes, v_k.size))
+                        m_k = self._momentum(g_k, _slice_in(nu.codes, 0, slices.size))
                     else:
                         m_k = carried_lib.own_slice(mu_new, axes)
                     u_k = (m_k / bias1) / (jnp.sqrt(v_k / bias2.astype(v_k.dtype)) + self.eps)
                     if decayed:
                         u_k = u_k + decay * carried_lib.own_slice(p, axes)
-                    kept = nu._replace(warm=v_k)
-                    if sliced:
-                        kept = kept._replace(codes=_slice_out(m_k, nu.codes))
+                    if slices.nu_in_codes:
+                        kept = nu._replace(  # warm per-worker, as where it holds v
+                            warm=_vary_like(nu.warm, v_k),
+                            codes=_slices_out(nu.codes, m_k if sliced else None, v_k),
+                        )
+                    else:
+                        kept = nu._replace(warm=v_k)
+                        if sliced:
+                            kept = kept._replace(codes=_slices_out(nu.codes, m_k))
                     last = count_inc >= self.warmup
 
                     def freeze():  # the last warm-up step: v's one rounding
                         frozen = self.nu_format.freeze(
-                            carried_lib.gather_slices(v_k, axes, g.shape), self.nu_floor, v_k
+                            carried_lib.gather_slices(v_k, axes, g.shape), self.nu_floor, kept.warm
                         )
                         if not sliced:
                             return _vary_like(frozen, kept), ()
@@ -577,6 +607,19 @@ class _CompressedMomentum:
         exchange_state = exchange_state._replace(residuals=residuals)
         return new_updates, CompressedMomentumState(count, mu, nu, exchange_state)
 
+    def _warm_slices(self, nu: FrozenNu, like: jax.Array) -> WarmSlices:
+        """Where ``nu``'s warm-up slices live for this program's worker count."""
+        slices = warm_slices(like.size, axis_size(self.exchange._core.worker_axes), nu.codes.size)
+        expected = 1 if slices.nu_in_codes else slices.size
+        if nu.warm.size != expected:
+            raise ValueError(
+                f"A frozen-second-moment state of a {like.size}-element leaf holds a warm "
+                f"slice of {nu.warm.size} elements, not this program's {expected}: "
+                "initialise the optimizer state inside the same shard_map / pmap (worker "
+                "count) that updates it."
+            )
+        return slices
+
     def _held(self, m: jax.Array, d: jax.Array | None, count_inc: jax.Array) -> jax.Array:
         """What a carried leaf's store holds after a warm-up step: ``m``, and at the last
         one ``w = b1 m`` in the units the exchange then sends (``m / d`` for ``"update"``,
@@ -599,14 +642,24 @@ def _vary_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(cast, tree, like)
 
 
-def _slice_in(codes: jax.Array, size: int) -> jax.Array:
-    """The float32 ``[size]`` kept in the first ``4 size`` bytes of ``codes``."""
-    return jax.lax.bitcast_convert_type(codes.reshape(-1)[: 4 * size].reshape(size, 4), jnp.float32)
+def _slice_in(codes: jax.Array, index: int, size: int) -> jax.Array:
+    """The float32 ``[size]`` slice ``index`` kept in ``codes`` (bytes ``4 size index`` on)."""
+    start = 4 * size * index
+    held = codes.reshape(-1)[start : start + 4 * size].reshape(size, 4)
+    return jax.lax.bitcast_convert_type(held, jnp.float32)
 
 
-def _slice_out(x: jax.Array, codes: jax.Array) -> jax.Array:
-    """Float32 ``x`` as the first bytes of a uint8 buffer shaped like ``codes``."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8).reshape(-1)
+def _slices_out(codes: jax.Array, *slices: jax.Array | None) -> jax.Array:
+    """Float32 ``slices`` (each ``[size]``; ``None``: zeros) as the first bytes of a uint8
+    buffer shaped like ``codes``, slice ``i`` at :func:`_slice_in`'s index ``i``."""
+    size = next(x.size for x in slices if x is not None)
+    parts = [
+        jax.lax.bitcast_convert_type(
+            (jnp.zeros([size], jnp.float32) if x is None else x.astype(jnp.float32)), jnp.uint8
+        ).reshape(-1)
+        for x in slices
+    ]
+    bits = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     return jnp.pad(bits, (0, codes.size - bits.size)).reshape(codes.shape)
 
 

@@ -53,8 +53,8 @@ def _tx(kind, one_buffer, nu="float32", **exchange_kwargs):
 class _Run(th.ShardMapStep):
     """``tx`` under shard_map on ``mesh``, step by step, from ``init`` or a given state."""
 
-    def __init__(self, tx, params, mesh=None):
-        super().__init__(tx, params, W, on_mesh=mesh)
+    def __init__(self, tx, params, mesh=None, workers=W):
+        super().__init__(tx, params, workers, on_mesh=mesh)
 
     def run(self, grads, state=None, phased=False):
         """``phased``: one program per density phase (the warm-up's, then the compressed
@@ -297,15 +297,59 @@ def test_an_int8_frozen_v_is_float32_through_the_warm_up_and_rounded_once(hierar
         assert all(np.isfinite(o[k]).all() for o in out for k in SHAPES)
     nu = jax.device_get(state.nu["w1"])
     assert isinstance(nu, rr.compressed_momentum.FrozenNu) and state.nu["b"].shape == (60,)
-    assert nu.warm.shape == (W, -(-SHAPES["w1"][0] * SHAPES["w1"][1] // W))  # 1/N each
+    assert nu.warm.shape == (W, 1)  # 8 workers: v's slice in the codes, beside m's
     assert nu.codes.dtype == np.uint8 and nu.codes.min() >= 1
     with pytest.raises(ValueError, match="frozen_nu_format"):
         _tx("update", True, "int4")
 
 
+@pytest.mark.parametrize(
+    "workers, one_buffer, in_codes",
+    [(8, True, ("m", "v")), (4, True, ("m",)), (8, False, ("v",)), (2, False, ())],
+)
+def test_the_codes_hold_the_warm_up_slices_they_have_room_for(workers, one_buffer, in_codes):
+    """While warm, an int8 frozen v's codes are unused bytes: each worker's float32 slice
+    of m (the one-buffer "update" form) takes their first 4 n / N bytes where N >= 4, v's
+    the next where N >= 8, else v's slice is a buffer of its own. Through the warm-up the
+    run is the float32 one to rounding, wherever the slices live; the codes hold the
+    bits of the slices each worker would compute alone (numpy's Adam on the mean)."""
+    steps = WARMUP - 1  # the freeze overwrites the slices with codes
+    grads = th.random_grads(np.random.default_rng(3), SHAPES, workers, steps=steps)
+    params = _params()
+    ref, _ = _Run(_tx("update", False), params, workers=workers).run(grads)
+    out, state = _Run(_tx("update", one_buffer, "int8"), params, workers=workers).run(grads)
+    _assert_close(out, ref, rtol=1e-5)
+    nu = jax.device_get(state.nu["w1"])
+    n = SHAPES["w1"][0] * SHAPES["w1"][1]
+    per = -(-n // workers)
+    assert nu.warm.shape == (workers, 1 if "v" in in_codes else per)
+    mean = [g["w1"].mean(0).reshape(-1) for g in grads]
+    clip = [
+        min(1.0, ADAM["max_grad_norm"] / np.sqrt(sum((g[k].mean(0) ** 2).sum() for k in g)))
+        for g in grads
+    ]
+    m = v = np.zeros(n, np.float32)
+    for g, c in zip(mean, clip, strict=True):
+        m = ADAM["b1"] * m + (1 - ADAM["b1"]) * g * c
+        v = ADAM["b2"] * v + (1 - ADAM["b2"]) * (g * c) ** 2
+    held = {"m": (0, m), "v": (1, v if "v" in in_codes else None)}
+    for k, worker in enumerate(range(workers)):
+        own = slice(worker * per, (worker + 1) * per)
+        for name in in_codes:
+            index, full = held[name]
+            bits = nu.codes[worker].reshape(-1)[4 * per * index : 4 * per * (index + 1)]
+            got = bits.view(np.float32)
+            atol = 1e-5 * np.abs(full).max()  # float32 sums in another order
+            np.testing.assert_allclose(got, full[own], rtol=1e-4, atol=atol, err_msg=name)
+        if "v" not in in_codes:
+            atol = 1e-5 * np.abs(v).max()
+            np.testing.assert_allclose(nu.warm[k], v[own], rtol=1e-4, atol=atol)
+
+
 def test_bytes_per_parameter_per_worker_of_the_recipe_form():
     """int4 w_i and an int8 frozen v, per worker of 8: v's codes 1 byte and a scale a
-    block of 256, its warm-up slice 4 / 8 bytes; w_i 68 bytes a block of 128."""
+    block of 256, its floor and an unused float32 (the warm-up slice is in the codes,
+    beside m's); w_i 68 bytes a block of 128."""
     params = _params()
     tx = _tx("update", True, "int8", residual_format="int4")
     mesh = th.mesh(W)
@@ -313,7 +357,7 @@ def test_bytes_per_parameter_per_worker_of_the_recipe_form():
     found = rr.compressed_momentum.buffer_bytes(jax.eval_shape(init, params))
     n = {k: int(np.prod(s)) for k, s in SHAPES.items()}
     assert found["m"] == 4 * n["b"]
-    v = sum(-(-n[k] // 256) * (256 + 4) + 4 + 4 * -(-n[k] // W) for k in COMPRESSED)
+    v = sum(-(-n[k] // 256) * (256 + 4) + 4 + 4 for k in COMPRESSED)  # + the unused [1]
     assert found["v"] == v + 4 * n["b"]
     assert found["residuals"] == sum(-(-n[k] // 128) * 68 for k in COMPRESSED)
 
