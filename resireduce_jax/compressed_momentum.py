@@ -89,8 +89,8 @@ class FrozenNu(NamedTuple):
     Optimizers with 4-bit States", NeurIPS 2023: blocks, and no zero code where v divides).
 
     While warm, the codes' bytes are unused, so they hold this worker's float32 slices
-    (:func:`warm_slices`): :math:`m`'s first (the one-buffer ``"update"`` form), then
-    :math:`v`'s, each where the codes have room for both.
+    (:func:`warm_slices`): :math:`m`'s first (the one-buffer ``"update"`` form) where they
+    have room for one slice, then :math:`v`'s where they have room for two.
 
     Attributes:
       warm: float32 ``[ceil(n / N)]``: this worker's ``1/N`` of :math:`v` during the
@@ -172,7 +172,8 @@ def resize_frozen_nu(nu: FrozenNu, size: int, num_workers: int, *, frozen: bool)
     ``frozen`` (the compressed phase): every worker holds the same codes; they are kept,
     repeated for the new workers, with the scales and the floor, so :math:`v` is not
     rounded again. ``warm``, unused once frozen, becomes what the new worker count's
-    :meth:`NuFormat.init` holds (zeros of a slice, or none where the codes hold it).
+    :meth:`NuFormat.init` holds (zeros of a slice, or the one-element placeholder where
+    the codes hold it).
     During the warm-up each worker holds its own ``1/W`` of :math:`v` (and, in the codes,
     of :math:`m`), which another worker count cannot take: ``ValueError``.
     """
@@ -520,15 +521,13 @@ class _CompressedMomentum:
                     u_k = (m_k / bias1) / (jnp.sqrt(v_k / bias2.astype(v_k.dtype)) + self.eps)
                     if decayed:
                         u_k = u_k + decay * carried_lib.own_slice(p, axes)
-                    if slices.nu_in_codes:
-                        kept = nu._replace(  # warm per-worker, as where it holds v
-                            warm=_vary_like(nu.warm, v_k),
-                            codes=_slices_out(nu.codes, m_k if sliced else None, v_k),
-                        )
-                    else:
-                        kept = nu._replace(warm=v_k)
-                        if sliced:
-                            kept = kept._replace(codes=_slices_out(nu.codes, m_k))
+                    held = [m_k if sliced else None] + [v_k] * slices.nu_in_codes
+                    kept = nu._replace(  # the placeholder per-worker, as where warm holds v
+                        warm=_vary_like(nu.warm, v_k) if slices.nu_in_codes else v_k,
+                        codes=_slices_out(nu.codes, *held)
+                        if sliced or slices.nu_in_codes
+                        else nu.codes,
+                    )
                     last = count_inc >= self.warmup
 
                     def freeze():  # the last warm-up step: v's one rounding

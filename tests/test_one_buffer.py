@@ -333,7 +333,7 @@ def test_the_codes_hold_the_warm_up_slices_they_have_room_for(workers, one_buffe
         m = ADAM["b1"] * m + (1 - ADAM["b1"]) * g * c
         v = ADAM["b2"] * v + (1 - ADAM["b2"]) * (g * c) ** 2
     held = {"m": (0, m), "v": (1, v if "v" in in_codes else None)}
-    for k, worker in enumerate(range(workers)):
+    for worker in range(workers):
         own = slice(worker * per, (worker + 1) * per)
         for name in in_codes:
             index, full = held[name]
@@ -343,7 +343,7 @@ def test_the_codes_hold_the_warm_up_slices_they_have_room_for(workers, one_buffe
             np.testing.assert_allclose(got, full[own], rtol=1e-4, atol=atol, err_msg=name)
         if "v" not in in_codes:
             atol = 1e-5 * np.abs(v).max()
-            np.testing.assert_allclose(nu.warm[k], v[own], rtol=1e-4, atol=atol)
+            np.testing.assert_allclose(nu.warm[worker], v[own], rtol=1e-4, atol=atol)
 
 
 def test_bytes_per_parameter_per_worker_of_the_recipe_form():
