@@ -104,8 +104,16 @@ from common import (
 # SGD tasks only).
 STORES = ("ef", "w", "2d", "w+2d")
 # The memory-accuracy frontier's formats: codes with a float32 scale per block ("float8" is
-# e4m3 codes so scaled, unlike the "+f8" cast), int4 under both roundings.
-FORMATS = ("bfloat16", "int8", "float8", "int4/128/stochastic", "int4/128/nearest")
+# e4m3 codes so scaled, unlike the "+f8" cast), int4 and int3 under both roundings.
+FORMATS = (
+    "bfloat16",
+    "int8",
+    "float8",
+    "int4/128/stochastic",
+    "int4/128/nearest",
+    "int3/128/stochastic",
+    "int3/128/nearest",
+)
 VARIANTS = (
     "dense",
     "none",

@@ -2,8 +2,8 @@
 
 A :class:`ResidualFormat` encodes a leaf-shaped residual into what a store keeps and decodes
 it back. :class:`FloatFormat` is a plain cast (``residual_dtype=``); :class:`BlockFormat`
-keeps int8, float8 (e4m3fn) or packed int4 codes with one float32 scale per block of the
-flattened leaf, as block-wise quantized optimizer states do:
+keeps int8, float8 (e4m3fn) or packed int4 or int3 codes with one float32 scale per block of
+the flattened leaf, as block-wise quantized optimizer states do:
 
 - Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022,
   https://arxiv.org/abs/2110.02861 (an absmax per block of the flattened state);
@@ -13,7 +13,7 @@ flattened leaf, as block-wise quantized optimizer states do:
   Provable Convergence", NeurIPS 2024, https://arxiv.org/abs/2405.15593 (4-bit error
   feedback with per-block statistics).
 
-Layout, scale rule, rounding and the int4 choice: docs/design.md, "Residual formats
+Layout, scale rule, rounding and the int4 / int3 choices: docs/design.md, "Residual formats
 (residual_formats.py)".
 """
 
@@ -42,29 +42,38 @@ __all__ = [
     "parse_format",
 ]
 
-Codes = Literal["int8", "float8", "int4"]
+Codes = Literal["int8", "float8", "int4", "int3"]
 Rounding = Literal["nearest", "stochastic"]
 
-DEFAULT_BLOCK_SIZES: dict[str, int] = {"int8": 256, "float8": 256, "int4": 128}
+DEFAULT_BLOCK_SIZES: dict[str, int] = {"int8": 256, "float8": 256, "int4": 128, "int3": 128}
 """Elements per scale: 256 for int8 and float8 (finer than Dettmers et al.'s 2048),
-Li et al.'s 128 for int4."""
+Li et al.'s 128 for int4 and int3."""
 
-DEFAULT_ROUNDINGS: dict[str, str] = {"int8": "nearest", "float8": "nearest", "int4": "stochastic"}
-"""Stochastic for int4: a residual below half a code step rounds to zero every step under
-nearest rounding, so error feedback never accumulates it, and int4's step is eighteen
-times int8's. docs/design.md, "Residual formats"."""
+DEFAULT_ROUNDINGS: dict[str, str] = {
+    "int8": "nearest",
+    "float8": "nearest",
+    "int4": "stochastic",
+    "int3": "stochastic",
+}
+"""Stochastic for int4 and int3: a residual below half a code step rounds to zero every step
+under nearest rounding, so error feedback never accumulates it, and int4's step is eighteen
+times int8's (int3's forty-two times). docs/design.md, "Residual formats"."""
 
 _CODE_MAX = {
     "int8": 127.0,
     "float8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max),
     "int4": 7.0,
+    "int3": 3.0,
 }
-_CODE_DTYPE = {"int8": jnp.int8, "float8": jnp.float8_e4m3fn, "int4": jnp.uint8}
+_CODE_DTYPE = {"int8": jnp.int8, "float8": jnp.float8_e4m3fn, "int4": jnp.uint8, "int3": jnp.uint8}
+_PACKING = {"int8": (1, 1), "float8": (1, 1), "int4": (2, 1), "int3": (8, 3)}
+"""(codes, bytes) of one packed group: int4 two codes a byte, int3 eight codes in three."""
 
 
 class Quantized(NamedTuple):
     """A leaf kept as block codes: ``codes`` ``[blocks, block_size]`` (int4: two codes a
-    byte, ``[blocks, block_size // 2]`` uint8) and ``scales`` ``[blocks]`` float32."""
+    byte, ``[blocks, block_size // 2]`` uint8; int3: eight codes in three bytes,
+    ``[blocks, 3 * block_size // 8]`` uint8) and ``scales`` ``[blocks]`` float32."""
 
     codes: jax.Array
     scales: jax.Array
@@ -161,11 +170,13 @@ class BlockFormat(ResidualFormat):
     ``block_size``, with one float32 scale per block (:class:`Quantized`).
 
     ``codes``: ``"int8"`` (symmetric, ``[-127, 127]``, scale ``absmax / 127``),
-    ``"float8"`` (e4m3fn codes of ``x / scale``, scale ``absmax / 448``) or ``"int4"``
-    (symmetric, ``[-7, 7]``, scale ``absmax / 7``, two codes a byte). int4 is symmetric
-    rather than min/scale: at equal bytes per element a per-block minimum barely lowers the
-    reconstruction error of gradients and top-k residuals, while the symmetric code keeps
-    every zero exact (the coordinates just sent, dead units, padding) with one float a block.
+    ``"float8"`` (e4m3fn codes of ``x / scale``, scale ``absmax / 448``), ``"int4"``
+    (symmetric, ``[-7, 7]``, scale ``absmax / 7``, two codes a byte) or ``"int3"``
+    (symmetric, ``[-3, 3]``, scale ``absmax / 3``, eight codes in three bytes). int4 and int3
+    are symmetric rather than min/scale: at equal bytes per element a per-block minimum
+    barely lowers the reconstruction error of gradients and top-k residuals, while the
+    symmetric code keeps every zero exact (the coordinates just sent, dead units, padding)
+    with one float a block; int3 leaves its eighth code, ``-4``, unused for that symmetry.
 
     A block of zeros has scale 0 and decodes to exact zeros. ``rounding="stochastic"``
     rounds ``x / scale`` down or up to a neighbouring code with the probabilities that make
@@ -195,10 +206,12 @@ class BlockFormat(ResidualFormat):
                 f"BlockFormat.block_size must be a positive int, got {self.block_size!r} "
                 f"(default for {self.codes}: {DEFAULT_BLOCK_SIZES[self.codes]})."
             )
-        if self.codes == "int4" and size % 2:
+        group = _PACKING[self.codes][0]
+        if size % group:
             raise ValueError(
-                f"int4 packs two codes a byte: block_size must be a positive multiple of 2, "
-                f"got {size} (use {size + 1}, or the default {DEFAULT_BLOCK_SIZES['int4']})."
+                f"{self.codes} packs {group} codes a group: block_size must be a positive "
+                f"multiple of {group}, got {size} (use {size + group - size % group}, or the "
+                f"default {DEFAULT_BLOCK_SIZES[self.codes]})."
             )
         object.__setattr__(self, "block_size", int(size))
 
@@ -212,8 +225,9 @@ class BlockFormat(ResidualFormat):
 
     @property
     def _code_width(self) -> int:
-        """Stored code entries per block (int4: bytes, two codes each)."""
-        return self.block_size // 2 if self.codes == "int4" else self.block_size
+        """Stored code entries per block (int4, int3: packed bytes)."""
+        codes, stored = _PACKING[self.codes]
+        return self.block_size // codes * stored
 
     def stored_like(self, shape):
         blocks = _num_blocks(math.prod(shape), self.block_size)
@@ -248,14 +262,14 @@ class BlockFormat(ResidualFormat):
         else:
             q = jnp.round(y) if u is None else jnp.floor(y + u)
             q = jnp.clip(q, -code_max, code_max).astype(jnp.int8)
-            codes = q if self.codes == "int8" else _pack_int4(q)
+            codes = _PACKERS[self.codes][0](q) if self.codes in _PACKERS else q
         return Quantized(codes, scales)
 
     # --------------------------------------------------------------------- decode
 
     def _block_values(self, codes: jax.Array, scales: jax.Array) -> jax.Array:
         """float32 values of blocks ``[n, code_width]`` codes with ``[n]`` scales."""
-        q = _unpack_int4(codes) if self.codes == "int4" else codes
+        q = _PACKERS[self.codes][1](codes) if self.codes in _PACKERS else codes
         return q.astype(jnp.float32) * scales[:, None]
 
     def decode(self, stored, shape, dtype=jnp.float32):
@@ -361,6 +375,31 @@ def _unpack_int4(packed: jax.Array) -> jax.Array:
     return jnp.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
 
 
+def _pack_int3(q: jax.Array) -> jax.Array:
+    """int8 codes in ``[-3, 3]``, ``[n, 8m]``, as ``[n, 3m]`` uint8: each run of eight
+    codes, as 3-bit two's complement, is one little-endian 24-bit word with code ``j`` at
+    bits ``[3j, 3j + 3)``."""
+    triplets = lax.bitcast_convert_type(q, jnp.uint8) & 0x07
+    triplets = triplets.astype(jnp.uint32).reshape(q.shape[0], q.shape[1] // 8, 8)
+    word = triplets[..., 0]
+    for j in range(1, 8):
+        word = word | (triplets[..., j] << (3 * j))
+    packed = jnp.stack([(word >> shift) & 0xFF for shift in (0, 8, 16)], axis=-1)
+    return packed.astype(jnp.uint8).reshape(q.shape[0], q.shape[1] // 8 * 3)
+
+
+def _unpack_int3(packed: jax.Array) -> jax.Array:
+    """:func:`_pack_int3` inverted: ``[n, 3m]`` uint8 to ``[n, 8m]`` int8 codes."""
+    b = packed.astype(jnp.uint32).reshape(packed.shape[0], packed.shape[1] // 3, 3)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    triplets = jnp.stack([(word >> (3 * j)) & 0x07 for j in range(8)], axis=-1)
+    signed = (triplets.astype(jnp.int8) ^ 4) - 4  # sign-extends the 3-bit code
+    return signed.reshape(packed.shape[0], packed.shape[1] // 3 * 8)
+
+
+_PACKERS = {"int4": (_pack_int4, _unpack_int4), "int3": (_pack_int3, _unpack_int3)}
+"""(pack, unpack) of the codes kept below a byte."""
+
 _FLOAT_NAMES = ("float32", "bfloat16", "float8_e4m3fn")
 
 
@@ -369,15 +408,16 @@ def parse_format(value: Any) -> ResidualFormat:
 
     Names: ``"float32"``, ``"bfloat16"`` (and other floating dtype names, ``"float8_e4m3fn"``
     the legacy unscaled cast) give a :class:`FloatFormat`; ``"int8"``, ``"float8"``,
-    ``"int4"`` a :class:`BlockFormat` with the default block size and rounding, and
+    ``"int4"``, ``"int3"`` a :class:`BlockFormat` with the default block size and rounding, and
     ``"int4/64/stochastic"`` (a :attr:`BlockFormat.name`) one with both given. A dtype
     (``jnp.bfloat16``, ``np.float32``, ...) gives its :class:`FloatFormat`: ``residual_dtype=``.
     """
     if isinstance(value, ResidualFormat):
         return value
     accepted = (
-        "a ResidualFormat, one of 'float32', 'bfloat16', 'int8', 'float8', 'int4', "
-        "'float8_e4m3fn' (legacy unscaled cast), '<int8|float8|int4>/<block_size>[/<rounding>]', "
+        "a ResidualFormat, one of 'float32', 'bfloat16', 'int8', 'float8', 'int4', 'int3', "
+        "'float8_e4m3fn' (legacy unscaled cast), "
+        "'<int8|float8|int4|int3>/<block_size>[/<rounding>]', "
         "or a floating dtype such as jnp.bfloat16"
     )
     if isinstance(value, str):

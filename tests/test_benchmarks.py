@@ -552,6 +552,7 @@ RENDERED = [  # (script, extra arguments, page under benchmarks/results/)
     ("faults", [], "reliability.md"),
     ("accuracy", [], "accuracy.md"),
     ("accuracy", [], "accuracy_long/accuracy.md"),
+    ("accuracy", [], "accuracy_formats/accuracy.md"),
 ]
 
 

@@ -28,10 +28,12 @@ def _params():
 
 # By hand. int4, blocks of 128: 300000 values are 2343.75 blocks, so 2344 (the last padded),
 # each 64 bytes of codes (two a byte) and a 4-byte scale; 32000 values are 250 blocks.
+# int3, blocks of 128: 48 bytes of codes a block (eight codes in three bytes) and a scale.
 # int8 / float8, blocks of 256: 1172 blocks (1171.875) of 256 bytes + 4; 125 blocks.
 # bfloat16: two bytes a value, no scales. float32 (the default): four.
 BIG = {
     "int4": 2344 * (64 + 4),
+    "int3": 2344 * (48 + 4),
     "int8": 1172 * (256 + 4),
     "float8": 1172 * (256 + 4),
     "int4/64/stochastic": 4688 * (32 + 4),  # 300000 / 64 = 4687.5
@@ -40,6 +42,7 @@ BIG = {
 }
 SMALL = {
     "int4": 250 * (64 + 4),
+    "int3": 250 * (48 + 4),
     "int8": 125 * (256 + 4),
     "float8": 125 * (256 + 4),
     "int4/64/stochastic": 500 * (32 + 4),

@@ -228,8 +228,8 @@ def test_model_state_bytes_count_codes_and_scales():
 
 
 def test_bad_formats_are_refused():
-    with pytest.raises(ValueError, match="Unknown residual format 'int3'"):
-        _dgc("int3")
+    with pytest.raises(ValueError, match="Unknown residual format 'int2'"):
+        _dgc("int2")
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The residual formats' saving at the compiled peak of the donated, guarded step.
 
-Error feedback's per-leaf store in bfloat16, int8, float8 or int4 against float32 EF on
+Error feedback's per-leaf store in bfloat16, int8, float8, int4 or int3 against float32 EF on
 an MLP whose largest leaf is a ``[1, 1, a, b]`` kernel, 8 simulated workers, Top-k 1 %,
 ``skip_nonfinite``, compiled from abstract shapes (nothing runs). What kept the saving
 from the peak: docs/design.md, "Residuals at the compiled peak" (a residual kept in fewer
@@ -53,7 +53,7 @@ def _compiled(residual_format: str | None) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(
     "residual_format",
-    ["bfloat16", "int8", "float8", "int4", "int4/128/nearest", "float8/256/stochastic"],
+    ["bfloat16", "int8", "float8", "int4", "int4/128/nearest", "float8/256/stochastic", "int3"],
 )
 def test_the_residual_formats_saving_reaches_the_guarded_peak(residual_format):
     """The peak drops by at least 0.9 of the residual bytes saved: compensating, sending

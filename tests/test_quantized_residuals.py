@@ -20,7 +20,7 @@ from train import config_schema, train
 
 W = 8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ("int8", "float8", "int4")
+FORMATS = ("int8", "float8", "int4", "int3")
 
 
 def _params(seed: int = 0):
@@ -88,7 +88,7 @@ def _block_bound(r: np.ndarray, fmt: residual_formats.BlockFormat) -> np.ndarray
         bound = np.maximum(np.abs(padded.reshape(-1, size)) * 2.0**-4, absmax / 448 * 2.0**-10)
     else:
         bound = np.broadcast_to(
-            absmax / {"int8": 127, "int4": 7}[fmt.codes] / 2, (len(absmax), size)
+            absmax / {"int8": 127, "int4": 7, "int3": 3}[fmt.codes] / 2, (len(absmax), size)
         )
     bound = bound * (2 if fmt.stochastic else 1)
     return bound.reshape(-1)[: flat.size].reshape(r.shape) * (1 + 1e-5) + 1e-12
@@ -119,7 +119,7 @@ def test_residual_bytes_are_the_codes_and_scales_of_every_store(make, name):
     per_worker = sum(x.nbytes for x in jax.tree.leaves(ex.residuals)) // W
     assert make(fmt).plan(_params()).residual_bytes() == per_worker
     # Hand-derived: every stored value takes its code width, every block one float32.
-    code_bits = {"int8": 8, "float8": 8, "int4": 4}[name]
+    code_bits = {"int8": 8, "float8": 8, "int4": 4, "int3": 3}[name]
     if make is _ef:
         elements, indices = 4 * 64 * 64, 0
     else:  # one shared 64 x 64 residual, d0's 32 x 32 block and its 32 + 32 indices
@@ -225,7 +225,7 @@ def test_a_quantized_run_resumes_bit_identically(tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"compression.residual_format": "int3"}, "compression.residual_format='int3'"),
+        ({"compression.residual_format": "int2"}, "compression.residual_format='int2'"),
         (
             {"compression.residual_format": "int8", "compression.residual_dtype": "bfloat16"},
             "give one",

@@ -1,5 +1,5 @@
 """Residual formats (``resireduce_jax.residual_formats``): round-trip bounds against numpy
-references, exact zeros, exact byte counts, the block-wise add, int4 packing, unbiased
+references, exact zeros, exact byte counts, the block-wise add, int4 and int3 packing, unbiased
 stochastic rounding, jit/vmap, and parsing."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from resireduce_jax.residual_formats import (
 )
 
 SHAPES = [(97, 129), (4099,), (3, 5, 7, 11), (1, 300), (300, 1), (), (256,)]
-CODE_MAX = {"int8": 127.0, "float8": 448.0, "int4": 7.0}
+CODE_MAX = {"int8": 127.0, "float8": 448.0, "int4": 7.0, "int3": 3.0}
+INTEGER_CODES = ["int8", "int4", "int3"]
+ALL_CODES = ["int8", "float8", "int4", "int3"]
 
 
 @pytest.fixture
@@ -55,7 +57,7 @@ def _per_element(v: np.ndarray, shape, block: int) -> np.ndarray:
 # ------------------------------------------------------------------ round trip bounds
 
 
-@pytest.mark.parametrize("codes", ["int8", "int4"])
+@pytest.mark.parametrize("codes", INTEGER_CODES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_nearest_integer_codes_within_half_a_step(codes, shape):
     fmt = BlockFormat(codes, rounding="nearest")
@@ -74,7 +76,7 @@ def test_nearest_integer_codes_within_half_a_step(codes, shape):
         -CODE_MAX[codes],
         CODE_MAX[codes],
     )
-    got = np.asarray(stored.codes) if codes == "int8" else _np_unpack(np.asarray(stored.codes))
+    got = _np_codes(codes, np.asarray(stored.codes))
     assert np.abs(got - ref_codes).max() <= 1  # ties at .5 may go either way after division
     assert np.mean(got == ref_codes) > 0.999
 
@@ -120,7 +122,7 @@ def test_float_formats_are_casts():
 # ------------------------------------------------------------------ exact zeros
 
 
-@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+@pytest.mark.parametrize("codes", ALL_CODES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_zeros_are_exact(codes, rounding):
     fmt = BlockFormat(codes, 64, rounding)
@@ -139,8 +141,8 @@ def test_zeros_are_exact(codes, rounding):
     np.testing.assert_array_equal(back.reshape(-1)[64:128].view(np.uint32), 0)
     codes_ = np.asarray(stored.codes)
     tail = 500 % 64  # padding codes of the last block stay zero
-    last = codes_[-1].view(np.uint8)
-    pad = last[tail // 2 :] if codes == "int4" else last[tail:]
+    last = codes_[-1:].view(np.uint8)
+    pad = (last if codes == "float8" else _np_codes(codes, last))[0, tail:]
     assert not np.any(pad)
     # zeros inside a nonzero block are exact for the symmetric codes
     x2 = _data((256,), seed=4)
@@ -157,10 +159,11 @@ def test_zeros_are_exact(codes, rounding):
 # ------------------------------------------------------------------ bytes and layout
 
 
-@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+@pytest.mark.parametrize("codes", ALL_CODES)
 @pytest.mark.parametrize("shape", [*SHAPES, (0,), (2, 0)])
 def test_stored_bytes_are_the_encoded_arrays(codes, shape):
-    for block in (DEFAULT_BLOCK_SIZES[codes], 6, 2):
+    small = (24, 8) if codes == "int3" else (6, 2)  # int3: whole groups of eight codes
+    for block in (DEFAULT_BLOCK_SIZES[codes], *small):
         fmt = BlockFormat(codes, block, "nearest")
         stored = fmt.encode(jnp.zeros(shape, jnp.float32))
         assert isinstance(stored, Quantized)
@@ -168,7 +171,7 @@ def test_stored_bytes_are_the_encoded_arrays(codes, shape):
         assert fmt.stored_bytes(shape) == nbytes
         size = int(np.prod(shape))
         blocks = -(-size // block)
-        per_block = block // 2 if codes == "int4" else block
+        per_block = {"int4": block // 2, "int3": block * 3 // 8}.get(codes, block)
         assert nbytes == blocks * (per_block + 4)
         like = fmt.stored_like(shape)
         assert jax.tree.map(lambda s: (s.shape, s.dtype), like) == jax.tree.map(
@@ -187,6 +190,8 @@ def test_stored_bytes_are_the_encoded_arrays(codes, shape):
         BlockFormat("int4"),
         BlockFormat("int8", 7),
         BlockFormat("int4", 10, "stochastic"),
+        BlockFormat("int3"),
+        BlockFormat("int3", 16, "nearest"),
         FloatFormat("bfloat16"),
         FloatFormat("float8_e4m3fn"),
     ],
@@ -209,7 +214,7 @@ def test_add_decoded_is_g_plus_decode(small_blocks, fmt, shape):
     np.testing.assert_array_equal(np.asarray(out16).view(np.uint16), ref16.view(np.uint16))
 
 
-@pytest.mark.parametrize("codes", ["int8", "float8", "int4"])
+@pytest.mark.parametrize("codes", ALL_CODES)
 def test_add_decoded_has_no_leaf_sized_temporary(codes):
     fmt = BlockFormat(codes, rounding="nearest")
     g = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB
@@ -220,7 +225,7 @@ def test_add_decoded_has_no_leaf_sized_temporary(codes):
     assert temp <= in_place.BLOCK_BYTES + 64 * 1024, temp  # one block, not 4 MiB
 
 
-# ------------------------------------------------------------------ int4 packing
+# ------------------------------------------------------------------ int4 and int3 packing
 
 
 def _np_unpack(packed: np.ndarray) -> np.ndarray:
@@ -237,18 +242,51 @@ def _np_pack(q: np.ndarray) -> np.ndarray:
     return nib[:, 0::2] | (nib[:, 1::2] << 4)
 
 
-def test_int4_packing_matches_numpy():
-    fmt = BlockFormat("int4", 8, "nearest")
+def _np_unpack_int3(packed: np.ndarray) -> np.ndarray:
+    """numpy reference: the bytes as one little-endian bit stream, three bits a code (least
+    significant first), 3-bit two's complement."""
+    bits = np.unpackbits(packed, axis=1, bitorder="little")
+    triplets = bits.reshape(packed.shape[0], -1, 3).astype(np.int16)
+    q = triplets[..., 0] + 2 * triplets[..., 1] + 4 * triplets[..., 2]
+    return np.where(q >= 4, q - 8, q)
+
+
+def _np_pack_int3(q: np.ndarray) -> np.ndarray:
+    bits = (((q.astype(np.int16) & 0x07)[..., None] >> np.arange(3)) & 1).astype(np.uint8)
+    return np.packbits(bits.reshape(q.shape[0], -1), axis=1, bitorder="little")
+
+
+def _np_codes(codes: str, stored: np.ndarray) -> np.ndarray:
+    """The integer codes of ``[blocks, width]`` stored codes, unpacked in numpy."""
+    return {"int4": _np_unpack, "int3": _np_unpack_int3}.get(codes, np.asarray)(stored)
+
+
+@pytest.mark.parametrize(
+    "codes, block, width, code_max",
+    [("int4", 8, 4, 7), ("int3", 16, 6, 3)],  # two codes a byte; eight in three bytes
+)
+def test_packed_codes_match_numpy(codes, block, width, code_max):
+    fmt = BlockFormat(codes, block, "nearest")
+    unpack, pack = {"int4": (_np_unpack, _np_pack), "int3": (_np_unpack_int3, _np_pack_int3)}[codes]
     x = _data((13, 11), seed=7)
     stored = fmt.encode(jnp.asarray(x))
     packed = np.asarray(stored.codes)
-    assert packed.dtype == np.uint8 and packed.shape == (-(-143 // 8), 4)
-    q = _np_unpack(packed)
-    assert q.min() >= -7 and q.max() <= 7
-    np.testing.assert_array_equal(_np_pack(q), packed)
+    assert packed.dtype == np.uint8 and packed.shape == (-(-143 // block), width)
+    q = unpack(packed)
+    assert q.min() >= -code_max and q.max() <= code_max
+    assert {-code_max, code_max} <= set(q.ravel().tolist())  # each block's absmax code
+    np.testing.assert_array_equal(pack(q), packed)
     scales = np.asarray(stored.scales)
     ref = (q.astype(np.float32) * scales[:, None]).reshape(-1)[: x.size].reshape(x.shape)
     np.testing.assert_array_equal(np.asarray(fmt.decode(stored, x.shape)), ref)
+
+
+def test_every_int3_code_survives_packing_at_every_position_of_a_group():
+    codes = np.arange(-3, 4, dtype=np.int8)
+    runs = np.stack([np.roll(np.resize(codes, 8), shift) for shift in range(8)]).reshape(1, -1)
+    stored = Quantized(jnp.asarray(_np_pack_int3(runs)), jnp.ones((1,), jnp.float32))
+    fmt = BlockFormat("int3", runs.shape[1], "nearest")
+    np.testing.assert_array_equal(np.asarray(fmt.decode(stored, (runs.shape[1],))), runs[0])
     # every code value survives a pack/unpack round trip in both nibbles
     codes = np.arange(-7, 8, dtype=np.int8)
     pairs = np.stack(np.meshgrid(codes, codes), -1).reshape(1, -1)
@@ -260,7 +298,7 @@ def test_int4_packing_matches_numpy():
 # ------------------------------------------------------------------ stochastic rounding
 
 
-@pytest.mark.parametrize("codes", ["int8", "int4", "float8"])
+@pytest.mark.parametrize("codes", ALL_CODES)
 def test_stochastic_rounding_is_unbiased(codes):
     fmt = BlockFormat(codes, 32, "stochastic")
     x = _data((4, 32), seed=8)
@@ -313,7 +351,7 @@ def test_the_rounding_uniforms_are_uniform_and_independent():
     np.testing.assert_array_equal(typed, u.astype(np.float32))
 
 
-@pytest.mark.parametrize("codes", ["int8", "int4", "float8"])
+@pytest.mark.parametrize("codes", ALL_CODES)
 def test_stochastic_rounding_depends_on_the_key_only(codes):
     fmt = BlockFormat(codes, rounding="stochastic")
     x = jnp.asarray(_data((40, 30), seed=9))
@@ -338,6 +376,7 @@ def test_stochastic_rounding_depends_on_the_key_only(codes):
         BlockFormat("int8"),
         BlockFormat("float8", 64, "stochastic"),
         BlockFormat("int4", 20, "stochastic"),
+        BlockFormat("int3", 24, "stochastic"),
         FloatFormat("bfloat16"),
     ],
     ids=lambda f: f.name,
@@ -373,12 +412,15 @@ def test_parse_format_accepts():
     assert parse_format("int8") == BlockFormat("int8", 256, "nearest")
     assert parse_format("float8") == BlockFormat("float8", 256)
     assert parse_format("int4") == BlockFormat("int4", 128, "stochastic")
-    # the rounding's default is per code: stochastic only for int4
-    assert [BlockFormat(c).rounding for c in ("int8", "float8", "int4")] == [
+    assert parse_format("int3") == BlockFormat("int3", 128, "stochastic")
+    # the rounding's default is per code: stochastic for the 4- and 3-bit codes
+    assert [BlockFormat(c).rounding for c in ALL_CODES] == [
         "nearest",
         "nearest",
         "stochastic",
+        "stochastic",
     ]
+    assert parse_format("int3/64/nearest") == BlockFormat("int3", 64, "nearest")
     assert parse_format("int4/64") == BlockFormat("int4", 64, "stochastic")
     assert parse_format("int4/64/nearest").rounding == "nearest"
     assert parse_format("float32") == FloatFormat("float32")
@@ -407,6 +449,8 @@ def test_parse_format_rejects(value):
 def test_invalid_formats_say_how_to_fix():
     with pytest.raises(ValueError, match=r"multiple of 2.*use 8"):
         BlockFormat("int4", 7)
+    with pytest.raises(ValueError, match=r"multiple of 8.*use 104"):
+        BlockFormat("int3", 100)
     with pytest.raises(ValueError, match="positive int"):
         BlockFormat("int8", 0)
     with pytest.raises(ValueError, match="positive int"):

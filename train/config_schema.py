@@ -41,7 +41,7 @@ VARIANTS = ("dense", "none", "ef", "dgc", "a", "w", "d", "2d", "a+d", "a+2d", "w
 FLOAT8 = "float8_e4m3fn"
 RESIDUAL_DTYPES = ("", "float32", "bfloat16", "float16", FLOAT8)
 RESIDUAL_FORMAT = re.compile(
-    r"|float32|bfloat16|float16|(int8|float8|int4)(/[1-9]\d*(/(nearest|stochastic))?)?"
+    r"|float32|bfloat16|float16|(int8|float8|int4|int3)(/[1-9]\d*(/(nearest|stochastic))?)?"
 )
 # Variant suffixes for residuals cast to a narrower dtype than the gradients'; any other
 # "+<format>" suffix is a compression.residual_format ("ef+int4/64/stochastic").
@@ -144,7 +144,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.compression.options = ml_collections.ConfigDict()  # other compressor arguments
     c.compression.min_size = 10_000
     c.compression.residual_dtype = ""  # "" = the leaf dtype; e.g. "bfloat16"
-    # "" = residual_dtype's; "int8" / "float8" / "int4" (codes, a scale per block),
+    # "" = residual_dtype's; "int8" / "float8" / "int4" / "int3" (codes, a scale per block),
     # "int4/64/stochastic" (block size, rounding), "bfloat16", "float32"
     c.compression.residual_format = ""
     c.compression.grouping = "auto"  # "auto" or "regex"
@@ -250,8 +250,8 @@ def split_variant(variant: str) -> tuple[str, str, str]:
         if RESIDUAL_FORMAT.fullmatch(residual_format) is None:
             raise ValueError(
                 f"variant {variant!r}: {residual_format!r} is not a residual format; choose "
-                "'int8', 'float8', 'int4', 'bfloat16' or 'float32', optionally with a block "
-                "size and rounding, e.g. 'ef+int4/64/stochastic'."
+                "'int8', 'float8', 'int4', 'int3', 'bfloat16' or 'float32', optionally with a "
+                "block size and rounding, e.g. 'ef+int4/64/stochastic'."
             )
         return base, "", residual_format
     raise ValueError(
@@ -462,7 +462,7 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     _check(
         RESIDUAL_FORMAT.fullmatch(residual_format) is not None,
         f"compression.residual_format={residual_format!r}; choose '' (residual_dtype's), "
-        "'float32', 'bfloat16', 'int8', 'float8', 'int4', or one of those three with a "
+        "'float32', 'bfloat16', 'int8', 'float8', 'int4', 'int3', or one of the last four with a "
         "block size and rounding, e.g. 'int4/64/stochastic'.",
     )
     _check(
