@@ -2,7 +2,7 @@
 
 Everything ships with the installed packages (no download). Top-k at 1 % with ResiReduce
 w+2d: adjacent same-shape hidden layers share one weighted residual, and the large input
-layer keeps a 2-D compressed residual, every residual stored as int4 codes with a float32
+layer keeps a 2-D compressed residual, every residual stored as int3 codes with a float32
 scale per 128 values, rounded stochastically (``residual_formats``; the accuracy page
 has its frontier). The paper's float32 w+2d is
 ``--config.compression.residual_format=float32``. Runs in about a minute on 2 CPU cores.
@@ -26,7 +26,7 @@ def get_config():
     c.schedule.name = "warmup_cosine"
     c.schedule.warmup_epochs = 1.0
     c.compression.variant = "w+2d"
-    c.compression.residual_format = "int4"
+    c.compression.residual_format = "int3"
     c.compression.density = 0.01
     c.compression.min_size = 10_000
     c.compression.grouping = "auto"

@@ -193,15 +193,15 @@ def test_memory_report_has_the_variant_beside_ef_and_dense():
     report = compiled_step.memory_report(
         common.load_config("default"), 4, num_workers=2, guard=False
     )
-    assert [r["variant"] for r in report.rows] == ["w+2d+int4", "ef", "dense"]
+    assert [r["variant"] for r in report.rows] == ["w+2d+int3", "ef", "dense"]
     assert report.row("dense")["residuals"] == 0
-    assert report.row("w+2d+int4")["residuals"] < report.row("ef")["residuals"]
+    assert report.row("w+2d+int3")["residuals"] < report.row("ef")["residuals"]
     text = report.text()
-    assert "w+2d+int4" in text and "dense" in text
-    # The default's int4 residuals are a few KiB: the table is in KiB, and shows them.
-    residuals = report.row("w+2d+int4")["residuals"]
+    assert "w+2d+int3" in text and "dense" in text
+    # The default's int3 residuals are a few KiB: the table is in KiB, and shows them.
+    residuals = report.row("w+2d+int3")["residuals"]
     assert 0 < residuals < 2**20 / 20 and "residuals KiB" in text and "MiB" not in text
-    row = next(line for line in text.splitlines() if line.strip().startswith("w+2d+int4"))
+    row = next(line for line in text.splitlines() if line.strip().startswith("w+2d+int3"))
     assert float(row.split()[3]) == round(residuals / 2**10, 1) > 0
 
 

@@ -217,8 +217,8 @@ COMPRESSED_MOMENTUM = {
     "compression.density_schedule.dgc_fraction": 0.25,  # then 25 %, 6.25 %, 1.5625 %
     "compression.residual_format": "float8",  # e4m3 codes and scales, bit for bit as well
 }
-# Each format's codes (two int4 codes a byte); every block's scale is a float32.
-CODE_DTYPES = {"int4": np.uint8, "float8": jnp.float8_e4m3fn}
+# Each format's codes (int3 and int4 packed in bytes); every block's scale is a float32.
+CODE_DTYPES = {"int3": np.uint8, "int4": np.uint8, "float8": jnp.float8_e4m3fn}
 
 
 @pytest.mark.parametrize("changes", [{}, COMPRESSED_MOMENTUM], ids=["sgd", "cm_adam_schedule"])
@@ -461,10 +461,10 @@ def test_outputs_metrics_memory_report_and_residual_pdfs(tmp_path, capsys):
         if key.endswith("density"):
             edges = pdfs[key.replace("density", "edges")]
             np.testing.assert_allclose(np.sum(pdfs[key] * np.diff(edges)), 1.0, rtol=1e-3)
-    # EF in int4 (the default config's format) against float32 EF: codes and scales, 0.5 +
-    # 4 / 128 bytes a value instead of 4 (every compressed leaf is a multiple of 128).
+    # EF in int3 (the default config's format) against float32 EF: codes and scales, 3 / 8
+    # + 4 / 128 bytes a value instead of 4 (every compressed leaf is a multiple of 128).
     ef = summary.memory["baseline"]["residuals"]
-    assert summary.memory["reduced"]["residuals"] * 4 == ef * (0.5 + 4 / 128) > 0
+    assert summary.memory["reduced"]["residuals"] * 4 == ef * (3 / 8 + 4 / 128) > 0
     with open(os.path.join(workdir, "config.json")) as f:
         assert json.load(f)["compression"]["variant"] == "ef"
     # The three hidden layers (one shape) are the group ResiReduce-w would form.
@@ -528,13 +528,13 @@ def test_memory_report_prints_the_compiled_peak_of_the_step_beside_ef_and_dense(
     out = capsys.readouterr().out
     assert "Compiled train step per worker" in out and "skip_nonfinite on" in out
     rows = {r["variant"]: r for r in summary.memory["compiled_peak"]["rows"]}
-    assert set(rows) == {"w+2d+int4", "ef", "dense"}
+    assert set(rows) == {"w+2d+int3", "ef", "dense"}
     for r in rows.values():  # the peak is what the compiled program holds at once
         assert r["peak"] == r["argument"] + r["output"] - r["alias"] + r["temp"] > 0
     assert rows["dense"]["residuals"] == 0
-    assert 0 < rows["w+2d+int4"]["residuals"] < rows["ef"]["residuals"]
+    assert 0 < rows["w+2d+int3"]["residuals"] < rows["ef"]["residuals"]
     # The residual saving reaches the peak of the step the program runs.
-    assert rows["w+2d+int4"]["peak"] < rows["ef"]["peak"]
+    assert rows["w+2d+int3"]["peak"] < rows["ef"]["peak"]
 
 
 def test_the_compilation_cache_is_the_configs_then_the_environments_then_the_workdirs(
@@ -581,7 +581,7 @@ def test_a_run_compiles_its_step_once_and_a_resumed_run_loads_it(tmp_path, capsy
         first = train.train_and_evaluate(small_digits(num_steps=1), workdir)
         assert compiles.count("jit(train_step)") == 1
         (row,) = first.memory["compiled_peak"]["rows"]  # the trained step alone
-        assert row["variant"] == "w+2d+int4" and row["peak"] > row["argument"] > 0
+        assert row["variant"] == "w+2d+int3" and row["peak"] > row["argument"] > 0
         assert os.listdir(os.path.join(workdir, "compilation_cache"))
         compiles.clear()
         resumed = train.train_and_evaluate(small_digits(num_steps=2), workdir)

@@ -24,13 +24,21 @@ from train import metrics as metrics_lib
 
 L = 4
 SHARED = "hidden_*/kernel[256x256]#0"  # hidden_1..3 share one weighted residual (256 x 256)
-# The default config keeps its residuals as int4 codes, a float32 scale per 128 values.
-BLOCK = 128
+# Residuals as int4 codes (two a byte), a float32 scale per 128 values.
+FORMAT, BLOCK = "int4", 128
 
 
 def short(**changes):
-    """The default embedded job, 4 steps (no eval before the end)."""
-    return small_digits(**{"num_steps": 4, "eval_every": 100, "checkpoint_every": 4, **changes})
+    """The default embedded job with int4 residuals, 4 steps (no eval before the end)."""
+    return small_digits(
+        **{
+            "num_steps": 4,
+            "eval_every": 100,
+            "checkpoint_every": 4,
+            "compression.residual_format": FORMAT,
+            **changes,
+        }
+    )
 
 
 def _residual_leaves(state) -> list[np.ndarray]:
