@@ -263,6 +263,7 @@ def test_two_processes_of_one_node_each_match_one_process_with_both_nodes(tmp_pa
         "log_every": 1,
         "eval_every": 1000,
         "checkpoint_every": 8,
+        "compression.residual_format": FORMAT,  # the single-process run's (short)
     }
     multi_dir = str(tmp_path / "multi")
     run_to_completion(multi_dir, 2, job)
