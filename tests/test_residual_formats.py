@@ -256,9 +256,13 @@ def _np_pack_int3(q: np.ndarray) -> np.ndarray:
     return np.packbits(bits.reshape(q.shape[0], -1), axis=1, bitorder="little")
 
 
+_NP_PACKERS = {"int4": (_np_unpack, _np_pack), "int3": (_np_unpack_int3, _np_pack_int3)}
+"""numpy (unpack, pack) of the codes kept below a byte."""
+
+
 def _np_codes(codes: str, stored: np.ndarray) -> np.ndarray:
     """The integer codes of ``[blocks, width]`` stored codes, unpacked in numpy."""
-    return {"int4": _np_unpack, "int3": _np_unpack_int3}.get(codes, np.asarray)(stored)
+    return _NP_PACKERS[codes][0](stored) if codes in _NP_PACKERS else np.asarray(stored)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +271,7 @@ def _np_codes(codes: str, stored: np.ndarray) -> np.ndarray:
 )
 def test_packed_codes_match_numpy(codes, block, width, code_max):
     fmt = BlockFormat(codes, block, "nearest")
-    unpack, pack = {"int4": (_np_unpack, _np_pack), "int3": (_np_unpack_int3, _np_pack_int3)}[codes]
+    unpack, pack = _NP_PACKERS[codes]
     x = _data((13, 11), seed=7)
     stored = fmt.encode(jnp.asarray(x))
     packed = np.asarray(stored.codes)
@@ -287,7 +291,9 @@ def test_every_int3_code_survives_packing_at_every_position_of_a_group():
     stored = Quantized(jnp.asarray(_np_pack_int3(runs)), jnp.ones((1,), jnp.float32))
     fmt = BlockFormat("int3", runs.shape[1], "nearest")
     np.testing.assert_array_equal(np.asarray(fmt.decode(stored, (runs.shape[1],))), runs[0])
-    # every code value survives a pack/unpack round trip in both nibbles
+
+
+def test_every_int4_code_survives_packing_in_both_nibbles():
     codes = np.arange(-7, 8, dtype=np.int8)
     pairs = np.stack(np.meshgrid(codes, codes), -1).reshape(1, -1)
     stored = Quantized(jnp.asarray(_np_pack(pairs)), jnp.ones((1,), jnp.float32))
