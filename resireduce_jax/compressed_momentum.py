@@ -766,8 +766,9 @@ def compressed_momentum_adam(
 
     Raises:
       ValueError: for betas outside [0, 1), negative ``eps``, learning rate or weight
-        decay, a non-positive ``max_grad_norm``, or an exchange that starts compressed
-        (the second moment needs dense steps to be estimated).
+        decay, a non-positive ``max_grad_norm``, an exchange that starts compressed
+        (the second moment needs dense steps to be estimated), or ``compressed="momentum"``
+        with an int8 ``frozen_nu_format``.
 
     References:
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
@@ -779,6 +780,15 @@ def compressed_momentum_adam(
     check_non_negative("nu_floor", nu_floor)
     if compressed not in ("momentum", "update"):
         raise ValueError(f"compressed={compressed!r}: choose 'momentum' or 'update'.")
+    nu_format = parse_nu_format(frozen_nu_format)
+    if compressed == "momentum" and nu_format is not None:
+        raise ValueError(
+            f"compressed='momentum' with frozen_nu_format={frozen_nu_format!r}: the int8 "
+            "frozen v's codes are a per-worker buffer (they hold the workers' warm-up "
+            "slices), so dividing the averaged momentum by a sqrt(v) decoded from them would "
+            "give each worker its own update. Choose compressed='update' (the divisor is "
+            "applied before the exchange) or frozen_nu_format='float32'."
+        )
     _check_exchange(exchange)
     warmup = warmup_steps(exchange)
     if warmup == 0:
@@ -802,7 +812,7 @@ def compressed_momentum_adam(
         nu_floor=float(nu_floor),
         compressed=compressed,
         one_buffer=_check_one_buffer(one_buffer),
-        nu_format=parse_nu_format(frozen_nu_format),
+        nu_format=nu_format,
     )
     return ExchangeTransformation(core.init, core.update)
 

@@ -303,6 +303,16 @@ def test_an_int8_frozen_v_is_float32_through_the_warm_up_and_rounded_once(hierar
         _tx("update", True, "int4")
 
 
+def test_momentum_units_with_an_int8_frozen_v_are_refused():
+    """Tang et al.'s units divide the averaged momentum by sqrt(v) after the exchange; the
+    int8 codes are per-worker (they hold the warm-up slices), so the division would give
+    each worker its own update: refused when built, in one buffer and in two."""
+    for one_buffer in (True, False):
+        with pytest.raises(ValueError, match="compressed='update'"):
+            _tx("momentum", one_buffer, "int8")
+        _tx("momentum", one_buffer, "float32")  # v replicated: allowed
+
+
 @pytest.mark.parametrize(
     "workers, one_buffer, in_codes",
     [(8, True, ("m", "v")), (4, True, ("m",)), (8, False, ("v",)), (2, False, ())],
@@ -381,6 +391,12 @@ def test_config_keys_reach_the_optimizer():
         (bad.compression if key == "variant" else bad.optimizer)[key] = value
         with pytest.raises(config_schema.ConfigError, match=match):
             config_schema.validate(bad)
+    bad = load_config("byte_gpt")  # Tang et al.'s units divide after the exchange
+    bad.optimizer.kwargs = {**dict(bad.optimizer.kwargs), "compressed": "momentum"}
+    with pytest.raises(config_schema.ConfigError, match="per-worker buffer"):
+        config_schema.validate(bad)
+    bad.optimizer.frozen_nu_format = "float32"
+    config_schema.validate(bad)
     c.compression.variant = "ef"
     c.compression.residual_format = "int4"
     c.optimizer.one_buffer = "on"

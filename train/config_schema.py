@@ -401,6 +401,15 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
         f"compressed_momentum_adam's frozen second moment (got optimizer.name="
         f"{c.optimizer.name!r}); set it to 'float32'.",
     )
+    _check(
+        c.optimizer.frozen_nu_format == "float32"
+        or dict(c.optimizer.kwargs).get("compressed", "update") == "update",
+        f"optimizer.frozen_nu_format={c.optimizer.frozen_nu_format!r} with "
+        "optimizer.kwargs.compressed='momentum': the int8 frozen v is a per-worker buffer, "
+        "so the averaged momentum cannot be divided by it after the exchange; drop "
+        "kwargs.compressed (the default 'update' divides before it) or set "
+        "optimizer.frozen_nu_format='float32'.",
+    )
     if c.optimizer.one_buffer == "on":
         _check(
             comp.variant == "ef" and comp.selection_scope == "leaf",
