@@ -22,6 +22,8 @@ from jax import lax
 __all__ = [
     "BLOCK_BYTES",
     "MAX_BLOCKS",
+    "MIN_BLOCKS",
+    "MIN_BLOCK_BYTES",
     "add_into",
     "add_slices",
     "block_indices",
@@ -40,11 +42,20 @@ __all__ = [
 ]
 
 BLOCK_BYTES = 1 << 20
-"""A leaf is mapped in blocks of about this many bytes; a smaller leaf in one piece (its
-one extra buffer is at most this large)."""
+"""A leaf is mapped in blocks of about this many bytes (a smaller one: :data:`MIN_BLOCKS`)."""
 
 MAX_BLOCKS = 64
 """At most this many blocks (loop trips) per map, whatever the leaf's size."""
+
+MIN_BLOCKS = 8
+"""A leaf of at least ``MIN_BLOCKS * MIN_BLOCK_BYTES`` and under :data:`BLOCK_BYTES` is
+mapped in this many blocks, not in one piece: its map's one extra buffer is an eighth of
+it. (Leaves of :data:`BLOCK_BYTES` or more keep blocks of about that size: cut finer, the
+lean guard's step held more at its peak.)"""
+
+MIN_BLOCK_BYTES = 1 << 15
+"""The smallest block :data:`MIN_BLOCKS` cuts: a leaf under ``MIN_BLOCKS`` times this is
+mapped in one piece."""
 
 SUM_CHUNK = 1 << 14
 """Elements per step of :func:`sums` on XLA:CPU (64 KiB of float32 scratch)."""
@@ -71,8 +82,12 @@ def without_leading_ones(x: jax.Array) -> jax.Array:
 
 
 def _block_rows(rows: int, cols: int, itemsize: int) -> int:
-    """Rows per block: the leaf in ``ceil(bytes / BLOCK_BYTES)`` blocks, at most ``MAX_BLOCKS``."""
-    blocks = min(MAX_BLOCKS, rows, max(1, -(-rows * cols * itemsize // BLOCK_BYTES)))
+    """Rows per block: the leaf in ``ceil(bytes / BLOCK_BYTES)`` blocks (``MIN_BLOCKS`` for
+    a leaf of ``MIN_BLOCKS * MIN_BLOCK_BYTES`` up to ``BLOCK_BYTES``), at most
+    ``MAX_BLOCKS`` and ``rows``."""
+    nbytes = rows * cols * itemsize
+    least = MIN_BLOCKS if MIN_BLOCKS * MIN_BLOCK_BYTES <= nbytes < BLOCK_BYTES else 1
+    blocks = min(MAX_BLOCKS, rows, max(least, -(-nbytes // BLOCK_BYTES)))
     return -(-rows // blocks)
 
 
