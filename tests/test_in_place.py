@@ -47,6 +47,34 @@ def test_map_blocks_equals_the_map_of_the_whole_leaf(shape, small_blocks):
     np.testing.assert_array_equal(np.asarray(got), x * 2.0 + index.astype(np.float32))
 
 
+@pytest.mark.parametrize(
+    "rows, cols, expected_rows",
+    [
+        (64, 256, 64),  # 64 KiB: one piece
+        (256, 256, 32),  # 256 KiB: MIN_BLOCKS blocks of 32 KiB
+        (1000, 256, 125),  # under 1 MiB: 8 blocks
+        (1024, 256, 1024),  # 1 MiB: one block of BLOCK_BYTES
+        (4096, 256, 1024),  # 4 MiB: four blocks of 1 MiB
+        (2, 65536, 1),  # 512 KiB in 2 rows: no more blocks than rows
+    ],
+)
+def test_block_rows_cut_a_leaf_at_the_documented_sizes(rows, cols, expected_rows):
+    """Float32 leaves, blocks counted by hand from BLOCK_BYTES (1 MiB), MIN_BLOCKS (8 for a
+    leaf from 8 x 32 KiB up to 1 MiB) and MAX_BLOCKS."""
+    assert in_place._block_rows(rows, cols, 4) == expected_rows
+
+
+def test_a_leaf_cut_in_min_blocks_maps_to_the_same_values():
+    x = _awkward((256, 256))  # 256 KiB: mapped in 8 blocks with the default constants
+
+    def fn(block, row0):
+        return block * 2.0 + in_place.flat_index(block, row0).astype(block.dtype)
+
+    got = jax.jit(lambda v: in_place.map_blocks(v, fn))(x)
+    index = np.arange(x.size, dtype=np.float32).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(got), x * 2.0 + index)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_magnitudes_and_signs_round_trip_bit_for_bit(shape, dtype, small_blocks):
