@@ -403,7 +403,7 @@ def validate(config: ml_collections.ConfigDict, *, known_models=None, known_data
     )
     _check(
         c.optimizer.frozen_nu_format == "float32"
-        or dict(c.optimizer.kwargs).get("compressed", "update") == "update",
+        or dict(c.optimizer.kwargs).get("compressed") != "momentum",
         f"optimizer.frozen_nu_format={c.optimizer.frozen_nu_format!r} with "
         "optimizer.kwargs.compressed='momentum': the int8 frozen v is a per-worker buffer, "
         "so the averaged momentum cannot be divided by it after the exchange; drop "
