@@ -71,9 +71,9 @@ def test_the_residual_formats_saving_reaches_the_guarded_peak(residual_format):
 def test_the_saving_reaches_the_peak_of_the_digits_default_whose_leaves_are_small():
     """The training program's guarded step of configs/default.py (8 workers, 16 a worker),
     whose leaves (256 KiB) are under ``in_place.BLOCK_BYTES``: each map still runs in
-    ``MIN_BLOCKS`` blocks. Mapped in one piece, the guard's select and the sign restore
-    after Top-k each held a second leaf beside their operand: the peak missed a leaf of
-    each format's saving, and w+2d in int3 peaked above float32 w+2d."""
+    ``MIN_BLOCKS`` blocks. Mapped in one piece, the guard's select, the decoded block and
+    the sign restore after Top-k would each hold a second leaf beside their operand, and
+    a leaf of each format's saving would miss the peak."""
     from tests.test_train import load_config
     from train import compiled_step
 

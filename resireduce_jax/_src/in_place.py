@@ -50,8 +50,8 @@ MAX_BLOCKS = 64
 MIN_BLOCKS = 8
 """A leaf of at least ``MIN_BLOCKS * MIN_BLOCK_BYTES`` and under :data:`BLOCK_BYTES` is
 mapped in this many blocks, not in one piece: its map's one extra buffer is an eighth of
-it. (Leaves of :data:`BLOCK_BYTES` or more keep blocks of about that size: cut finer, the
-lean guard's step held more at its peak.)"""
+it. A leaf of :data:`BLOCK_BYTES` or more is cut in blocks of about that size only (finer
+blocks there raise the lean guard's peak)."""
 
 MIN_BLOCK_BYTES = 1 << 15
 """The smallest block :data:`MIN_BLOCKS` cuts: a leaf under ``MIN_BLOCKS`` times this is
