@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -100,9 +101,31 @@ class ResidualFormat(abc.ABC):
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> Any:
         """``x`` as kept (``key``: the stochastic rounding's ``jax.random`` key)."""
 
+    def encode_gathered(
+        self,
+        value_at: Callable[[jax.Array], jax.Array],
+        shape: tuple[int, ...],
+        key: jax.Array | None = None,
+    ) -> Any:
+        """``encode(x, key)`` of the leaf ``x`` of ``shape`` whose flat element ``i`` is
+        ``value_at(i)`` (``value_at``: int32 flat indices to values, elementwise), for an
+        ``x`` that is computed rather than held, such as a store's gathered kept block. A
+        format that can encodes it a part at a time, so that ``x`` is never formed whole."""
+        index = lax.iota(jnp.int32, math.prod(shape))
+        return self.encode(value_at(index).reshape(shape), key)
+
     @abc.abstractmethod
     def decode(self, stored: Any, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
         """The kept values of a leaf of ``shape`` back as ``dtype``."""
+
+    def values_at(
+        self, stored: Any, shape: tuple[int, ...], index: jax.Array, varying: Any = None
+    ) -> jax.Array:
+        """float32 values of flat elements ``index`` (int32, any shape) of a kept leaf of
+        ``shape``: ``decode(stored, shape).ravel()[index]``. ``varying``: something that
+        changes from one iteration to the next where this is read in a loop body."""
+        del varying
+        return self.decode(stored, shape).reshape(-1)[index]
 
     @abc.abstractmethod
     def add_decoded(self, g: jax.Array, stored: Any) -> jax.Array:
@@ -239,24 +262,76 @@ class BlockFormat(ResidualFormat):
     # --------------------------------------------------------------------- encode
 
     def encode(self, x, key=None):
-        if self.stochastic and key is None:
-            raise ValueError(
-                f"BlockFormat({self.codes!r}, rounding='stochastic') needs a jax.random key: "
-                "encode(x, key)."
-            )
+        self._check_key(key)
         x = jnp.asarray(x)
         size = x.size
         blocks = _num_blocks(size, self.block_size)
         flat = x.reshape(-1).astype(jnp.float32)
         flat = jnp.pad(flat, (0, blocks * self.block_size - size))
-        b = flat.reshape(blocks, self.block_size)
+        return self._encode_blocks(flat.reshape(blocks, self.block_size), key, 0)
+
+    def encode_gathered(self, value_at, shape, key=None):
+        """:meth:`encode` of the computed leaf, in parts of whole blocks as
+        :func:`resireduce_jax._src.in_place.map_blocks` cuts a float32 leaf: each part's
+        values are computed, encoded and written into the codes and scales, so at most one
+        part's float32 values are alive. The codes and scales equal :meth:`encode`'s bit
+        for bit: the stochastic draw is indexed by the element's place in the whole leaf."""
+        self._check_key(key)
+        size = math.prod(shape)
+        if size == 0:
+            return self.init(shape)
+        bs = self.block_size
+        blocks = _num_blocks(size, bs)
+
+        def part(first: jax.Array, count: int, padded: bool = False) -> Quantized:
+            index = first * bs + lax.iota(jnp.int32, count * bs)
+            if not padded:
+                values = value_at(index).astype(jnp.float32)
+            else:  # the last block's padding: zeros, as encode pads
+                values = value_at(jnp.minimum(index, size - 1)).astype(jnp.float32)
+                values = jnp.where(index < size, values, 0.0)
+            return self._encode_blocks(values.reshape(count, bs), key, first)
+
+        span = in_place.block_rows(blocks, bs, 4)
+        whole = size // (span * bs)  # parts without padding; the rest is one part at most
+        if whole == 0:
+            return part(jnp.zeros([], jnp.int32), blocks, padded=blocks * bs > size)
+
+        def write(stored: Quantized, new: Quantized, first: jax.Array) -> Quantized:
+            return jax.tree.map(
+                lambda old, n: lax.dynamic_update_slice_in_dim(old, n, first, 0), stored, new
+            )
+
+        def body(i, stored):
+            first = (i * span).astype(jnp.int32)
+            return write(stored, part(first, span), first)
+
+        # The loop's zeros vary over the mesh axes that a part's codes vary over (shard_map).
+        like = jax.eval_shape(lambda first: part(first, span), jnp.zeros([], jnp.int32))
+        stored = lax.fori_loop(0, whole, body, jax.tree.map(_zeros_like, self.init(shape), like))
+        if blocks > whole * span:
+            first = jnp.asarray(whole * span, jnp.int32)
+            last = part(first, blocks - whole * span, padded=blocks * bs > size)
+            stored = write(stored, last, first)
+        return stored
+
+    def _check_key(self, key: jax.Array | None) -> None:
+        if self.stochastic and key is None:
+            raise ValueError(
+                f"BlockFormat({self.codes!r}, rounding='stochastic') needs a jax.random key: "
+                "encode(x, key)."
+            )
+
+    def _encode_blocks(self, b: jax.Array, key: jax.Array | None, first: Any) -> Quantized:
+        """Codes and scales of float32 blocks ``b`` ``[n, block_size]`` that are blocks
+        ``first ...`` of a leaf (``first`` indexes the stochastic draw)."""
         code_max = _CODE_MAX[self.codes]
         # max |b| as max(max b, -min b): XLA:CPU would materialize |b| for the reduction.
         absmax = jnp.abs(jnp.maximum(jnp.max(b, axis=1), -jnp.min(b, axis=1)))
         scales = absmax / code_max
         safe = jnp.where(scales > 0, scales, 1.0)  # a zero block: y = 0, codes 0, scale 0
         y = jnp.clip(b / safe[:, None], -code_max, code_max)
-        u = _uniform(key, b.shape) if self.stochastic else None
+        u = _uniform(key, b.shape, first) if self.stochastic else None
         if self.codes == "float8":
             codes = _float8_round(y, u)
         else:
@@ -276,6 +351,34 @@ class BlockFormat(ResidualFormat):
         size = math.prod(shape)
         values = self._block_values(stored.codes, stored.scales).reshape(-1)
         return values[:size].reshape(shape).astype(dtype)
+
+    def values_at(self, stored, shape, index, varying=None):
+        """Each element decoded from its own code and block scale, gathered from the
+        codes' bytes: no block is decoded whole. Values equal :meth:`decode`'s bit for bit."""
+        del shape
+        codes, scales = stored
+        bs = self.block_size
+        block, offset = index // bs, index % bs
+        if self.codes == "float8":
+            # Gathered as bytes, made loop-variant: XLA:CPU would widen the whole float8
+            # operand first, and hoist a bitcast of loop-invariant codes out as a copy.
+            codes, _ = lax.optimization_barrier((codes, varying))
+            bits = lax.bitcast_convert_type(codes, jnp.uint8)[block, offset]
+            q = lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+        elif self.codes == "int4":
+            byte = lax.bitcast_convert_type(codes[block, offset // 2], jnp.int8)
+            shift = (4 * (1 - offset % 2)).astype(jnp.int8)  # the code to the high nibble
+            q = jnp.right_shift(jnp.left_shift(byte, shift), jnp.int8(4))  # sign-extended
+        elif self.codes == "int3":
+            group, j = offset // 8, (offset % 8).astype(jnp.uint32)
+            word = codes[block, 3 * group].astype(jnp.uint32)
+            word = word | (codes[block, 3 * group + 1].astype(jnp.uint32) << 8)
+            word = word | (codes[block, 3 * group + 2].astype(jnp.uint32) << 16)
+            triplet = ((word >> (3 * j)) & 0x07).astype(jnp.int8)
+            q = (triplet ^ 4) - 4
+        else:
+            q = codes[block, offset]
+        return q.astype(jnp.float32) * scales[block]
 
     def add_decoded(self, g, stored):
         size = g.size
@@ -312,6 +415,13 @@ class BlockFormat(ResidualFormat):
         return in_place.map_blocks(in_place.without_leading_ones(g), add).reshape(g.shape)
 
 
+def _zeros_like(zeros: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """``zeros`` made to vary over the shard_map axes that ``like`` varies over."""
+    manual = getattr(like, "manual_axis_type", None)
+    axes = tuple(sorted(manual.varying)) if manual is not None else ()
+    return lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 def _mix32(x: jax.Array) -> jax.Array:
     """A bijective avalanche on uint32 (the "lowbias32" integer hash)."""
     x = x ^ (x >> 16)
@@ -321,8 +431,9 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _uniform(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """float32 uniforms in ``[0, 1)`` for blocks ``[n, block_size]``, one per element.
+def _uniform(key: jax.Array, shape: tuple[int, int], first: Any = 0) -> jax.Array:
+    """float32 uniforms in ``[0, 1)`` for blocks ``[n, block_size]``, one per element, that
+    are blocks ``first ...`` of a leaf.
 
     A counter-based draw: each value is a hash of the key and the element's flat index, so
     it is elementwise and XLA fuses it into the encoding (``jax.random.uniform``'s threefry
@@ -331,7 +442,8 @@ def _uniform(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """
     words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     words = jnp.asarray(words, jnp.uint32).reshape(-1)
-    index = lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1])
+    rows = lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first).astype(jnp.uint32)
+    index = rows * jnp.uint32(shape[1])
     index = index + lax.broadcasted_iota(jnp.uint32, shape, 1)
     bits = _mix32(_mix32(index ^ words[0]) + words[-1])
     return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

@@ -196,6 +196,20 @@ class StorePlan:
         rounding = key("rounding") if key is not None and self.format.stochastic else None
         return self.format.encode(x, rounding)
 
+    def keep_gathered(
+        self,
+        value_at: Callable[[jax.Array], jax.Array],
+        shape: tuple[int, ...],
+        key: Callable | None = None,
+    ) -> Any:
+        """:meth:`keep` of the values of ``shape`` whose flat element ``i`` is
+        ``value_at(i)``: codes are encoded a part at a time
+        (:meth:`ResidualFormat.encode_gathered`), a cast is gathered whole into the store."""
+        if not self.quantized:
+            return self.keep(value_at(lax.iota(jnp.int32, math.prod(shape))).reshape(shape))
+        rounding = key("rounding") if key is not None and self.format.stochastic else None
+        return self.format.encode_gathered(value_at, shape, rounding)
+
     def values(self, stored: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         """Kept values of ``shape`` back as ``dtype`` (:meth:`keep` inverted)."""
         if not self.quantized:
@@ -576,19 +590,27 @@ def _compensate_kept(plan: RowsStore, stored: Any, g: jax.Array) -> jax.Array:
     where0 = None if kept0 is None else _positions(kept0, size0)
     where1 = None if kept1 is None else _positions(kept1, size1)
     values = stored.values  # in the store's dtype: cast block by block, never as a whole
-    if plan.quantized:  # codes: the kept block decoded (a part of the leaf) before the adds
-        values = plan.values(values, plan.block_shape, g.dtype)
-    # The kept values form a grid: each block gathers its rows of it, then the columns, with
-    # one index per row and per column (a per-element index is 2 int32 per element).
     cols = None if where1 is None else jnp.maximum(where1, 0)
     kept_cols = True if where1 is None else (where1 >= 0)[None, :]
+
+    def kept_values(at0: jax.Array, block: jax.Array) -> jax.Array:
+        """The kept values at rows ``at0`` (and columns ``cols``) of the kept block."""
+        if plan.quantized:  # codes: each element decoded from its own code, in the block
+            width = plan.block_shape[1]
+            at1 = lax.iota(jnp.int32, width) if cols is None else cols
+            index = jnp.maximum(at0, 0)[:, None] * width + at1[None, :]
+            value = plan.format.values_at(values, plan.block_shape, index, at0)
+            # The barrier keeps the decoded values exact (no multiply-add fused into one FMA).
+            return lax.optimization_barrier(value.astype(block.dtype))
+        # The kept values form a grid: each block gathers its rows of it, then the columns,
+        # with one index per row and per column (a per-element index is 2 int32 per element).
+        value = in_place.gather_as(values, (jnp.maximum(at0, 0),), block.dtype)
+        return value if cols is None else value[:, cols]
 
     def add(block, row0):
         rows = row0 + lax.iota(jnp.int32, block.shape[0])
         at0 = rows if where0 is None else where0[rows]
-        value = in_place.gather_as(values, (jnp.maximum(at0, 0),), block.dtype)
-        if cols is not None:
-            value = value[:, cols]
+        value = kept_values(at0, block)
         return jnp.where((at0 >= 0)[:, None] & kept_cols, block + value, block)
 
     return in_place.map_blocks(g.reshape(plan.view.shape2d), add).reshape(g.shape)
@@ -809,11 +831,16 @@ def compress_residual(
         def take(i0, i1):
             return m[i0, i1]
 
-    if plan.quantized:  # the kept values in one buffer, the gathers fused into it
-        gather = take
+    def keep(i0: jax.Array, i1: jax.Array) -> Any:
+        """The kept block ``m[i0[:, None], i1[None, :]]`` as the store keeps it."""
+        if not plan.quantized:
+            return plan.keep(take(i0[:, None], i1[None, :]))
+        width = i1.shape[0]
 
-        def take(i0, i1):
-            return lax.optimization_barrier(gather(i0, i1))
+        def value_at(index):  # one part's values in one buffer, its gathers fused into it
+            return lax.optimization_barrier(take(i0[index // width], i1[index % width]))
+
+        return plan.keep_gathered(value_at, (i0.shape[0], width), lambda _: rounding)
 
     if key is not None:
         key_rows, key_cols = jax.random.split(key)
@@ -823,10 +850,10 @@ def compress_residual(
     if not plan.keeps_columns:
         every = jnp.arange(view.shape2d[1 - view.row_axis], dtype=jnp.int32)
         i0, i1 = (rows, every) if view.row_axis == 0 else (every, rows)
-        return RowsResidual(rows, plan.keep(take(i0[:, None], i1[None, :]), lambda _: rounding))
+        return RowsResidual(rows, keep(i0, i1))
     cols = _select(norms.cols, plan.keep_cols, plan.selection, key_cols)
     i0, i1 = _axis_indices(view, rows, cols)
-    return BlockResidual(rows, cols, plan.keep(take(i0[:, None], i1[None, :]), lambda _: rounding))
+    return BlockResidual(rows, cols, keep(i0, i1))
 
 
 def densify(plan: StorePlan, stored: Any) -> jax.Array:

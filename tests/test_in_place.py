@@ -61,7 +61,7 @@ def test_map_blocks_equals_the_map_of_the_whole_leaf(shape, small_blocks):
 def test_block_rows_cut_a_leaf_at_the_documented_sizes(rows, cols, expected_rows):
     """Float32 leaves, blocks counted by hand from BLOCK_BYTES (1 MiB), MIN_BLOCKS (8 for a
     leaf from 8 x 32 KiB up to 1 MiB) and MAX_BLOCKS."""
-    assert in_place._block_rows(rows, cols, 4) == expected_rows
+    assert in_place.block_rows(rows, cols, 4) == expected_rows
 
 
 def test_a_leaf_cut_in_min_blocks_maps_to_the_same_values():
@@ -269,6 +269,38 @@ def test_a_bfloat16_store_is_compensated_without_a_float32_copy(monkeypatch):
     assert in_loop <= temp(jnp.float32) + values * 0.05, (in_loop, temp(jnp.float32))
     monkeypatch.setattr(in_place, "gather_as", lambda v, i, dtype: v[i].astype(dtype))
     assert temp(jnp.bfloat16) >= in_loop + 2 * values * 0.95  # the float32 copy it avoids
+
+
+@pytest.mark.parametrize("codes", ["int8", "float8", "int4", "int3"])
+def test_a_quantized_2d_store_holds_no_float32_copy_of_its_block(codes):
+    """A 2-D store kept as codes decodes each element it adds from its own code inside the
+    block loop (``ResidualFormat.values_at``), and encodes the new kept block a part at a
+    time from the gather (``encode_gathered``): neither step holds the kept block in
+    float32 (8 MiB here), so each compiles to at most one block's temp over the float32
+    store's."""
+    shape = (4096, 2048)  # 32 MiB leaf; kept 2048 x 1024 values
+    leaf = {"dense": {"kernel": jnp.zeros(shape)}}
+    group = rr.grouping.resolve(leaf, rr.grouping.each_leaf(), 0)[0]
+    view = stores.matrix_view("dense/kernel", shape)
+    g = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def temps(fmt) -> tuple[int, int]:
+        plan = stores.StorePlan(
+            group, "2d", jnp.float32, view, keep_rows=2048, keep_cols=1024, format=fmt
+        )
+        stored = jax.eval_shape(lambda: stores.init_store(plan))
+        compensate = jax.jit(lambda s, v: stores.compensate(plan, s, jnp.sin(v)))
+        keep = jax.jit(lambda v: stores.compress_residual(plan, jnp.sin(v), None))
+        return tuple(
+            fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            for fn, args in ((compensate, (stored, g)), (keep, (g,)))
+        )
+
+    f32_compensate, f32_keep = temps(None)
+    q_compensate, q_keep = temps(rr.residual_formats.BlockFormat(codes, rounding="nearest"))
+    margin = in_place.BLOCK_BYTES + 64 * 1024
+    assert q_compensate <= f32_compensate + margin, (q_compensate, f32_compensate)
+    assert q_keep <= f32_keep + margin, (q_keep, f32_keep)
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,71 @@ def test_add_decoded_has_no_leaf_sized_temporary(codes):
     assert temp <= in_place.BLOCK_BYTES + 64 * 1024, temp  # one block, not 4 MiB
 
 
+GATHER_FORMATS = [
+    BlockFormat("int8"),
+    BlockFormat("float8"),
+    BlockFormat("int4"),
+    BlockFormat("int4", 10, "nearest"),
+    BlockFormat("int3"),
+    BlockFormat("int3", 16, "nearest"),
+    BlockFormat("int8", 7, "stochastic"),
+    BlockFormat("float8", 256, "stochastic"),
+    FloatFormat("bfloat16"),
+]
+
+
+@pytest.mark.parametrize("fmt", GATHER_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("shape", [(97, 129), (4099,), (300, 1)])
+def test_values_at_are_the_decoded_elements(fmt, shape):
+    """Each element decoded from its own code equals the whole leaf decoded, bit for bit,
+    at every position of a packed group and in the last, padded block."""
+    stored = fmt.encode(jnp.asarray(_data(shape, seed=7)), jax.random.key(1))
+    size = int(np.prod(shape))
+    index = np.random.default_rng(8).integers(0, size, size=(37, 41)).astype(np.int32)
+    index[0, :16] = np.arange(size - 16, size)  # the last, padded block
+    ref = np.asarray(fmt.decode(stored, shape, jnp.float32)).reshape(-1)[index]
+    values = jax.jit(lambda st, i: fmt.values_at(st, shape, i, i[0, 0]))(stored, index)
+    assert values.shape == index.shape and values.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", GATHER_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("shape", [(97, 129), (300, 1), (1031, 777)])
+def test_encode_gathered_is_encode_of_the_gathered_leaf(small_blocks, fmt, shape):
+    """Encoded a part at a time (1 KiB parts here, so every leaf is cut, mostly with a
+    remainder), the codes and scales are :meth:`encode`'s of the whole leaf bit for bit,
+    the stochastic draws included: each is indexed by its element's place in the leaf."""
+    source = jnp.asarray(_data((5, *shape), seed=9))
+    picked = 3
+
+    def gathered(src, key):
+        flat = src[picked].reshape(-1)
+        return fmt.encode_gathered(lambda i: flat[i], shape, key)
+
+    key = jax.random.key(2)
+    want = fmt.encode(source[picked], key)
+    got = jax.jit(gathered)(source, key)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("codes", ALL_CODES)
+def test_encode_gathered_holds_one_part_of_float32_values(codes):
+    """Encoding a gathered 4 MiB leaf from a 16 MiB source holds about one part
+    (``in_place.BLOCK_BYTES``) of float32 values, not the gathered leaf."""
+    fmt = BlockFormat(codes, rounding="stochastic")
+    shape = (1024, 1024)
+
+    def encode(src, key):
+        return fmt.encode_gathered(lambda i: src[i // 1024 * 2, i % 1024 * 2], shape, key)
+
+    src = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    compiled = jax.jit(encode).lower(src, jax.random.key(0)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= in_place.BLOCK_BYTES + 64 * 1024, temp  # one part, not 4 MiB
+
+
 # ------------------------------------------------------------------ int4 and int3 packing
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "add_into",
     "add_slices",
     "block_indices",
+    "block_rows",
     "flat_index",
     "gather_as",
     "loop_variant",
@@ -81,10 +82,11 @@ def without_leading_ones(x: jax.Array) -> jax.Array:
     return x.reshape(shape)
 
 
-def _block_rows(rows: int, cols: int, itemsize: int) -> int:
-    """Rows per block: the leaf in ``ceil(bytes / BLOCK_BYTES)`` blocks (``MIN_BLOCKS`` for
-    a leaf of ``MIN_BLOCKS * MIN_BLOCK_BYTES`` up to ``BLOCK_BYTES``), at most
-    ``MAX_BLOCKS`` and ``rows``."""
+def block_rows(rows: int, cols: int, itemsize: int) -> int:
+    """Rows per block of a ``rows x cols`` leaf of ``itemsize``-byte elements, as
+    :func:`map_blocks` cuts it: the leaf in ``ceil(bytes / BLOCK_BYTES)`` blocks
+    (``MIN_BLOCKS`` for a leaf of ``MIN_BLOCKS * MIN_BLOCK_BYTES`` up to ``BLOCK_BYTES``),
+    at most ``MAX_BLOCKS`` and ``rows``."""
     nbytes = rows * cols * itemsize
     least = MIN_BLOCKS if MIN_BLOCKS * MIN_BLOCK_BYTES <= nbytes < BLOCK_BYTES else 1
     blocks = min(MAX_BLOCKS, rows, max(least, -(-nbytes // BLOCK_BYTES)))
@@ -112,7 +114,7 @@ def map_blocks(
     """
     m = x.reshape(slices * x.shape[1], -1) if slices > 1 and x.ndim > 2 else _rows_view(x)
     rows, cols = m.shape
-    b = _block_rows(rows // slices, cols, x.dtype.itemsize)
+    b = block_rows(rows // slices, cols, x.dtype.itemsize)
     if b >= rows:
         return fn(m, jnp.zeros([], jnp.int32)).reshape(x.shape)
     full = rows // b
