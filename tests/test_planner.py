@@ -957,3 +957,31 @@ def test_phase_names_tell_a_16_bit_warm_up_apart():
     assert memory_plan.phase_name(0, cast) == "0 dense bfloat16"
     assert memory_plan.phase_name(1, rr.compressors.topk(0.01)) == "1 topk 1%"
     assert memory_plan.phase_name(0, rr.compressors.bf16()) == "0 cast"  # feeds back: not dense
+
+
+@pytest.mark.parametrize(
+    ("configured", "exchange", "planned"),
+    [
+        ("int4/128/nearest", "ef+int4", "int4/128/nearest"),  # the byte GPT config's
+        ("int4/64/stochastic", "w+2d+int4", "int4/64/stochastic"),
+        ("int4/128/nearest", "ef+int4/128/stochastic", "int4/128/stochastic"),  # named
+        ("int8/256/stochastic", "ef+int4", "int4"),  # other codes: the exchange's defaults
+        ("", "ef+int8", "int8"),
+        ("int4/128/nearest", "ef", ""),
+    ],
+)
+def test_an_exchange_keeps_the_configs_block_size_and_rounding_for_its_codes(
+    configured, exchange, planned
+):
+    """The planner trains ``ef+int4`` in the rounding the config chose for its int4
+    residuals (the shipped byte GPT config's nearest), not in int4's default one."""
+    from train import memory_plan
+
+    config = tiny_gpt()
+    with config.unlocked():
+        config.compression.variant = "ef"
+        config.compression.residual_format = configured
+    compiler = memory_plan.StepCompiler(config, seq_len=16, exchanges=(exchange,))
+    (candidate, *_) = compiler.candidates()
+    assert candidate.exchange == exchange
+    assert compiler.config_for(candidate).compression.residual_format == planned

@@ -37,6 +37,7 @@ __all__ = [
     "optimizer_names",
     "plan_for_training",
     "plan_only",
+    "with_configured_format",
     "write_plan",
 ]
 
@@ -78,6 +79,19 @@ def _no_chain_reason(model_config: Any) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def with_configured_format(exchange: str, config: ml_collections.ConfigDict) -> str:
+    """``exchange`` (``"ef+int4"``) with the config's block size and rounding
+    (``"ef+int4/128/nearest"``) where the config keeps its residuals in the same codes and
+    the exchange names no block size or rounding of its own; else ``exchange``."""
+    variant, _, residual_format = config_schema.split_variant(exchange)
+    configured = config.compression.get("residual_format", "") or ""
+    if not residual_format or "/" in residual_format:
+        return exchange
+    if configured.split("/")[0] != residual_format:
+        return exchange
+    return f"{variant}+{configured}"
 
 
 @dataclasses.dataclass
@@ -235,12 +249,17 @@ class StepCompiler:
         return planner.candidate_grid(self.exchanges, optimizers, remats)
 
     def config_for(self, candidate: Candidate) -> ml_collections.ConfigDict:
-        """The config that trains ``candidate``'s exchange and optimizer (remat aside)."""
+        """The config that trains ``candidate``'s exchange and optimizer (remat aside).
+
+        An exchange that names only its codes (``"ef+int4"``) keeps the config's own block
+        size and rounding for those codes: a config whose residuals are
+        ``int4/128/nearest`` is planned, and trained, in them."""
         config = self.config.copy_and_resolve_references()
         with config.unlocked():
             config.optimizer.name = self.optimizers[candidate.optimizer]
             config.remat.budget = ""
-        return compiled_step.with_variant(config, candidate.exchange)
+        exchange = with_configured_format(candidate.exchange, config)
+        return compiled_step.with_variant(config, exchange)
 
     # ------------------------------------------------------------------ the chain
 
