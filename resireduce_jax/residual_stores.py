@@ -818,6 +818,7 @@ def compress_residual(
     """
     view = plan.view
     width = view.shape2d[1]
+    r = jnp.asarray(r)  # a host array too (resizing a checkpoint): gathered at traced indices
     if norms is None:
         magnitude, bits = in_place.magnitudes(r)
         m = magnitude.reshape(view.shape2d)
