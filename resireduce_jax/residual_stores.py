@@ -196,20 +196,6 @@ class StorePlan:
         rounding = key("rounding") if key is not None and self.format.stochastic else None
         return self.format.encode(x, rounding)
 
-    def keep_gathered(
-        self,
-        value_at: Callable[[jax.Array], jax.Array],
-        shape: tuple[int, ...],
-        key: Callable | None = None,
-    ) -> Any:
-        """:meth:`keep` of the values of ``shape`` whose flat element ``i`` is
-        ``value_at(i)``: codes are encoded a part at a time
-        (:meth:`ResidualFormat.encode_gathered`), a cast is gathered whole into the store."""
-        if not self.quantized:
-            return self.keep(value_at(lax.iota(jnp.int32, math.prod(shape))).reshape(shape))
-        rounding = key("rounding") if key is not None and self.format.stochastic else None
-        return self.format.encode_gathered(value_at, shape, rounding)
-
     def values(self, stored: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         """Kept values of ``shape`` back as ``dtype`` (:meth:`keep` inverted)."""
         if not self.quantized:
@@ -841,7 +827,8 @@ def compress_residual(
         def value_at(index):  # one part's values in one buffer, its gathers fused into it
             return lax.optimization_barrier(take(i0[index // width], i1[index % width]))
 
-        return plan.keep_gathered(value_at, (i0.shape[0], width), lambda _: rounding)
+        # Codes: encoded a part at a time from the gather, never gathered whole in float32.
+        return plan.format.encode_gathered(value_at, (i0.shape[0], width), rounding)
 
     if key is not None:
         key_rows, key_cols = jax.random.split(key)
