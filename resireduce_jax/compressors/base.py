@@ -443,19 +443,11 @@ def sparse_mean(
     worker; indices ``>= size`` are padding and are dropped. Summation order is fixed, so
     the result is bit-identical on all workers on every backend.
     """
-    n = math.prod(like.shape)
-    all_values = all_gather(values, axis_name)
-    all_indices = all_gather(indices, axis_name)
-    workers = all_values.shape[0]
-
-    def add_worker(w, acc):
-        return acc.at[all_indices[w]].add(
-            all_values[w].astype(acc.dtype), mode="drop", unique_indices=True
-        )
-
+    gathered = (all_gather(values, axis_name), all_gather(indices, axis_name))
     acc_dtype = jnp.promote_types(like.dtype, jnp.float32)
-    zeros, (all_values, all_indices) = zeros_for((n,), acc_dtype, (all_values, all_indices))
-    total = lax.fori_loop(0, workers, add_worker, zeros)
+    zeros, gathered = zeros_for((math.prod(like.shape),), acc_dtype, gathered)
+    workers = gathered[0].shape[0]
+    total = _scatter_workers(*gathered, zeros)
     return (total / workers).astype(like.dtype).reshape(like.shape)
 
 
@@ -466,16 +458,23 @@ def sparse_mean_into(
     scatter-added into ``acc``'s own buffer worker after worker (``factor / workers`` times
     each value; indices as :func:`sparse_mean` takes them)."""
     all_values = all_gather(values, axis_name)
-    all_indices = all_gather(indices, axis_name)
-    workers = all_values.shape[0]
-    scale = jnp.asarray(factor / workers, acc.dtype)
+    scale = jnp.asarray(factor / all_values.shape[0], acc.dtype)
+    flat = _scatter_workers(all_values, all_gather(indices, axis_name), acc.reshape(-1), scale)
+    return flat.reshape(acc.shape)
+
+
+def _scatter_workers(
+    all_values: jax.Array, all_indices: jax.Array, flat: jax.Array, scale: jax.Array | None = None
+) -> jax.Array:
+    """``flat`` with each worker's gathered payload (times ``scale``, where given) scatter-
+    added into it, worker after worker (``lax.fori_loop``: a fixed summation order)."""
 
     def add_worker(w, flat):
-        part = all_values[w].astype(flat.dtype) * scale
+        part = all_values[w].astype(flat.dtype)
+        part = part if scale is None else part * scale
         return flat.at[all_indices[w]].add(part, mode="drop", unique_indices=True)
 
-    flat = lax.fori_loop(0, workers, add_worker, acc.reshape(-1))
-    return flat.reshape(acc.shape)
+    return lax.fori_loop(0, all_values.shape[0], add_worker, flat)
 
 
 def sparse_means(
